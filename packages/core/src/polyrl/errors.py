@@ -1,0 +1,31 @@
+"""The exceptions polyrl raises for bad input. Each message says what, where and what to do."""
+
+from __future__ import annotations
+
+
+class PolyrlError(Exception):
+    """Base of every polyrl error a user can cause and fix."""
+
+
+class ManifestError(PolyrlError):
+    """A manifest that cannot be read, has unknown keys, or asks for plugins that are not installed."""
+
+
+class PluginLoadError(PolyrlError):
+    """A plugin that fails to import, or implements a hook that does not exist."""
+
+
+class RegistryError(PolyrlError, LookupError):
+    """A duplicate registration, an unknown name, or an import string that does not resolve."""
+
+
+class ConfigError(PolyrlError, ValueError):
+    """A config key that does not exist or a value of the wrong type; names the key and the file."""
+
+
+class DataError(PolyrlError, ValueError):
+    """A dataset file or row polyrl cannot use; names the file and the row."""
+
+
+class CheckpointError(PolyrlError, ValueError):
+    """A checkpoint that is missing, partial, or from another model or world size."""

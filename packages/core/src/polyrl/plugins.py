@@ -1,0 +1,237 @@
+"""The plugin manager: loads built-ins, installed plugins and manifest modules, fills the registries.
+
+Every process (the driver, each Ray worker) builds its own :class:`PluginManager`
+from the same :class:`~polyrl.manifest.Manifest`, so registrations reach remote
+workers without pickling registries. :func:`get_plugin_manager` returns the
+process-wide one; :func:`activate` sets it from a manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import os
+import sys
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pluggy
+
+from polyrl import hookspecs
+from polyrl.errors import PluginLoadError, RegistryError
+from polyrl.manifest import Manifest
+from polyrl.registry import HOOK_FOR_KIND, Entry, PluginInfo, Registry
+
+ENTRY_POINT_GROUP = "polyrl"
+
+#: The core's own components, registered through the same hooks as any plugin.
+DEFAULT_PLUGINS: list[str] = [
+    "polyrl.platforms.hooks",
+    "polyrl.algorithms.hooks",
+]
+
+
+class PluginManager:
+    """Plugins of one process and the registries they filled.
+
+    ``manifest=None`` loads every installed plugin; a manifest loads the core's
+    built-ins, the distributions it requires and its ``modules``, minus ``block``.
+    ``entry_points=False`` loads the built-ins only (tests).
+    """
+
+    def __init__(self, manifest: Manifest | None = None, *, entry_points: bool = True) -> None:
+        self.manifest = manifest
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self.plugins: dict[str, PluginInfo] = {}
+        self.registries: dict[str, Registry] = {kind: Registry(kind) for kind in HOOK_FOR_KIND}
+        self._trace = os.environ.get("POLYRL_TRACE_HOOKS", "") not in ("", "0")
+        if self._trace:
+            self.pm.add_hookcall_monitoring(self._trace_before, self._trace_after)
+        self.versions = manifest.check_requirements() if manifest is not None else {}
+
+        from polyrl.__about__ import __version__
+
+        for module_name in DEFAULT_PLUGINS:
+            if manifest is not None and manifest.is_blocked(module_name):
+                continue
+            module = _import_plugin_module(module_name, f"built-in plugin '{module_name}'")
+            self.add_plugin(module, PluginInfo(module_name, "polyrl", __version__, module_name))
+        if entry_points:
+            self._load_entry_points()
+        for module_name in manifest.modules if manifest is not None else ():
+            where = f"manifest {manifest.source or '<manifest>'} plugins.modules entry '{module_name}'"
+            module = _import_plugin_module(module_name, where)
+            self.add_plugin(module, PluginInfo(module_name, None, None, module_name))
+
+    # ------------------------------------------------------------------ loading
+    def _load_entry_points(self) -> None:
+        wanted = self.manifest.required_distributions() if self.manifest is not None else None
+        from packaging.utils import canonicalize_name
+
+        for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            dist = ep.dist.name if ep.dist is not None else None
+            version = ep.dist.version if ep.dist is not None else None
+            if wanted is not None and (dist is None or canonicalize_name(dist) not in wanted):
+                continue
+            if self.manifest is not None and self.manifest.is_blocked(ep.name, dist, ep.module):
+                continue
+            if ep.name in self.plugins:
+                continue  # the same distribution seen twice on sys.path
+            try:
+                module = ep.load()
+            except Exception as exc:
+                raise PluginLoadError(
+                    f"plugin '{ep.name}' ({dist} {version}, entry point '{ep.value}') failed to import:\n"
+                    f"{traceback.format_exc()}\nFix or uninstall {dist}, or block it in the manifest."
+                ) from exc
+            self.add_plugin(module, PluginInfo(ep.name, dist, version, ep.module))
+
+    def add_plugin(self, plugin: ModuleType | object, info: PluginInfo) -> None:
+        """Register ``plugin`` (a hooks module or object) and collect its registrations."""
+        if info.name in self.plugins:
+            raise PluginLoadError(f"{info.describe()} is loaded twice")
+        self.pm.register(plugin, name=info.name)
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            self.pm.unregister(name=info.name)
+            raise PluginLoadError(
+                f"{info.describe()} implements a hook that polyrl does not define: {exc}. "
+                f"Known hooks: {', '.join(sorted(HOOK_FOR_KIND.values()))}."
+            ) from None
+        self.plugins[info.name] = info
+        try:
+            self._collect(info)
+        except Exception:
+            self.remove_plugin(info.name)
+            raise
+
+    def remove_plugin(self, name: str) -> None:
+        """Unregister plugin ``name`` and drop every name it registered."""
+        for registry in self.registries.values():
+            registry.unregister_plugin(name)
+        if self.pm.get_plugin(name) is not None:
+            self.pm.unregister(name=name)
+        self.plugins.pop(name, None)
+
+    def _collect(self, info: PluginInfo) -> None:
+        """Call each registration hook of one plugin with a ``register`` bound to it."""
+        plugin = self.pm.get_plugin(info.name)
+        for kind, hook_name in HOOK_FOR_KIND.items():
+            registry = self.registries[kind]
+            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+                if impl.plugin is not plugin:
+                    continue
+
+                def register(name: str, obj: Any, _registry: Registry = registry, **metadata: Any) -> None:
+                    _registry.register(name, obj, plugin=info, **metadata)
+
+                if self._trace:
+                    print(f"[polyrl hooks] {hook_name}() -> {info.name}", file=sys.stderr)
+                kwargs = {"register": register}
+                try:
+                    impl.function(**{k: v for k, v in kwargs.items() if k in impl.argnames})
+                except RegistryError:
+                    raise
+                except Exception as exc:
+                    raise PluginLoadError(
+                        f"{info.describe()} raised in {hook_name}:\n{traceback.format_exc()}"
+                    ) from exc
+
+    def _trace_before(self, hook_name: str, impls: list, kwargs: dict) -> None:
+        print(f"[polyrl hooks] {hook_name}({', '.join(kwargs)}) -> {[i.plugin_name for i in impls]}", file=sys.stderr)
+
+    def _trace_after(self, outcome: Any, hook_name: str, impls: list, kwargs: dict) -> None:
+        print(f"[polyrl hooks] {hook_name} returned", file=sys.stderr)
+
+    # ------------------------------------------------------------------ lookups
+    def registry(self, kind: str) -> Registry:
+        """The registry of ``kind`` (``engine``, ``rollout``...)."""
+        try:
+            return self.registries[kind]
+        except KeyError:
+            raise RegistryError(f"unknown component kind '{kind}'; kinds: {', '.join(HOOK_FOR_KIND)}") from None
+
+    def get(self, kind: str, name: str) -> Any:
+        """The loaded object registered as ``name`` in ``kind``."""
+        return self.registry(kind).get(name)
+
+    def entry(self, kind: str, name: str) -> Entry:
+        """The registry entry (with metadata and owning plugin) for ``name``."""
+        return self.registry(kind).entry(name)
+
+    def hooks_of(self, name: str) -> list[str]:
+        """Names of the hooks plugin ``name`` implements."""
+        plugin = self.pm.get_plugin(name)
+        return sorted(hc.name for hc in self.pm.get_hookcallers(plugin) or [])
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Every plugin with its distribution, version, hooks and registered names by kind."""
+        out = []
+        for name, info in self.plugins.items():
+            names: dict[str, list[str]] = {}
+            for kind, registry in self.registries.items():
+                mine = [e.name for e in registry.entries() if e.plugin.name == name]
+                if mine:
+                    names[kind] = mine
+            out.append(
+                {
+                    "name": name,
+                    "distribution": info.distribution,
+                    "version": info.version,
+                    "module": info.module,
+                    "hooks": self.hooks_of(name),
+                    "registered": names,
+                }
+            )
+        return out
+
+
+def _import_plugin_module(module_name: str, where: str) -> ModuleType:
+    try:
+        return importlib.import_module(module_name)
+    except Exception as exc:
+        raise PluginLoadError(f"{where} failed to import:\n{traceback.format_exc()}") from exc
+
+
+# ---------------------------------------------------------------------- the process-wide manager
+
+_current: PluginManager | None = None
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process-wide plugin manager; with none activated, every installed plugin loads."""
+    global _current
+    if _current is None:
+        _current = PluginManager(None)
+    return _current
+
+
+def activate(manifest: Manifest | str | Path | None) -> PluginManager:
+    """Build the process-wide plugin manager from ``manifest`` (a path, a Manifest, or None)."""
+    global _current
+    if isinstance(manifest, (str, Path)):
+        manifest = Manifest.load(manifest)
+    _current = PluginManager(manifest)
+    return _current
+
+
+@contextlib.contextmanager
+def use_plugin_manager(pm: PluginManager) -> Iterator[PluginManager]:
+    """Make ``pm`` the process-wide manager inside a ``with`` block (tests, embedding)."""
+    global _current
+    previous, _current = _current, pm
+    try:
+        yield pm
+    finally:
+        _current = previous
+
+
+def lookup(kind: str, name: str) -> Any:
+    """Shortcut: ``get_plugin_manager().get(kind, name)``."""
+    return get_plugin_manager().get(kind, name)

@@ -1,0 +1,515 @@
+"""The contracts every polyrl component implements.
+
+These are :class:`typing.Protocol` classes: a plugin satisfies one by having the
+methods, not by inheriting. They are written for every backend polyrl targets:
+FSDP and Megatron engines, HF / vLLM / SGLang rollouts, flow-matching diffusion
+models, and CUDA / NPU / ROCm / CPU platforms. ``polyrl.testing`` holds a
+conformance suite per protocol that checks the behaviour promised here.
+
+Tensor conventions (verl's names, shared by engines, losses and the trainer):
+
+* A **batch** is a :class:`tensordict.TensorDict` with ``batch_size=[B]``.
+  Sequences are ``prompt + response``; prompts are left-padded to ``P`` tokens,
+  responses right-padded to ``R`` tokens, so ``input_ids`` is ``[B, P + R]``.
+* ``input_ids``, ``attention_mask``, ``position_ids``: ``[B, P + R]``.
+* ``responses``: ``[B, R]`` token ids; ``response_mask``: ``[B, R]``, 1 where a
+  response token is trained on (tool / environment tokens are 0).
+* Per-token quantities over the response: ``old_log_probs``, ``ref_log_prob``,
+  ``rollout_log_probs``, ``values``, ``token_level_scores``,
+  ``token_level_rewards``, ``advantages``, ``returns``: ``[B, R]`` float.
+* Non-tensor fields (``uid``, ``data_source``, ``ground_truth``, ``extra_info``)
+  ride along as :class:`tensordict.NonTensorStack`; see :mod:`polyrl.batch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # keep `import polyrl.protocols` free of torch for the CLI's start-up
+    import torch
+    from tensordict import TensorDict
+
+__all__ = [
+    "AdvantageEstimator",
+    "AgentLoop",
+    "AgentLoopOutput",
+    "Engine",
+    "GenerationClient",
+    "GenerationRequest",
+    "GenerationResult",
+    "LossFn",
+    "LossScale",
+    "Platform",
+    "PolicyLoss",
+    "RewardFunction",
+    "RewardManager",
+    "RewardOutput",
+    "Rollout",
+    "RolloutCapabilities",
+    "SamplingParams",
+    "Tool",
+    "ToolResult",
+]
+
+
+# --------------------------------------------------------------------------- generation types
+
+
+@dataclass
+class SamplingParams:
+    """How a rollout samples. Field names follow vLLM / verl.
+
+    ``top_k=-1`` and ``top_p=1.0`` disable those filters; ``temperature=0`` is
+    greedy decoding. ``n`` samples are drawn per request. ``stop_token_ids``
+    end a sample in addition to the tokenizer's EOS (``ignore_eos`` disables EOS).
+    ``logprobs`` asks for the log-probability of each sampled token under the
+    rollout's (temperature-scaled) distribution.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    n: int = 1
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = True
+    seed: int | None = None
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with ``changes`` applied (e.g. ``n=1`` for validation)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt to complete, as token ids.
+
+    ``multi_modal`` carries backend-specific inputs (images for a VLM, latents or
+    prompt embeddings for a diffusion rollout); text rollouts ignore it.
+    """
+
+    prompt_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | None = None
+    multi_modal: dict[str, Any] | None = None
+
+
+@dataclass
+class GenerationResult:
+    """One sampled completion.
+
+    ``log_probs[i]`` is the log-probability of ``response_ids[i]`` (empty when
+    the request did not ask for log-probs). ``finish_reason`` is ``"stop"``
+    (EOS or a stop token, which is included in ``response_ids``), ``"length"``
+    (``max_new_tokens`` reached) or ``"abort"``. ``sample_index`` is which of
+    the request's ``n`` samples this is. ``extra`` carries backend outputs
+    (for diffusion: the SDE trajectory and per-step log-probs).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    log_probs: list[float]
+    finish_reason: Literal["stop", "length", "abort"] = "stop"
+    request_id: str | None = None
+    sample_index: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RolloutCapabilities:
+    """What a rollout can do, so the trainer can plan around it.
+
+    * ``sleep``: ``sleep()/wake_up()`` really release accelerator memory.
+    * ``async_generate``: ``agenerate`` serves concurrent requests natively
+      (otherwise the trainer batches concurrent calls for it).
+    * ``log_probs``: returns per-token log-probs.
+    * ``lora_adapter``: ``update_weights`` accepts an adapter alone.
+    * ``tensor_parallel``: shards one model over several devices.
+    * ``weight_formats``: what ``update_weights`` accepts, ``"hf"`` names at least.
+    """
+
+    sleep: bool = False
+    async_generate: bool = False
+    log_probs: bool = True
+    lora_adapter: bool = False
+    tensor_parallel: bool = False
+    weight_formats: tuple[str, ...] = ("hf",)
+
+
+@runtime_checkable
+class GenerationClient(Protocol):
+    """What an agent loop calls to generate: a rollout, or the trainer's batching front of one."""
+
+    async def agenerate(self, request: GenerationRequest) -> list[GenerationResult]:
+        """Return ``request.sampling_params.n`` results for ``request``."""
+        ...
+
+
+@runtime_checkable
+class Rollout(GenerationClient, Protocol):
+    """The generation side: turns prompts (token ids) into sampled responses.
+
+    Built by the trainer as ``factory(config, model_path=..., tokenizer=..., platform=...)``
+    inside the worker process that owns the device(s). Implementations: the
+    built-in ``hf`` (transformers ``generate``), ``vllm``, ``sglang``, and the
+    diffusion rollout (where ``prompt_ids`` are text-encoder ids and results
+    carry latents in ``extra``).
+    """
+
+    capabilities: RolloutCapabilities
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Sample every request, as a batch.
+
+        Returns ``sum(r.sampling_params.n for r in requests)`` results, grouped by
+        request in input order (request ``i``'s samples are contiguous, in
+        ``sample_index`` order). Raises ``ValueError`` naming the request when a
+        prompt plus ``max_new_tokens`` exceeds the model length.
+        """
+        ...
+
+    async def agenerate(self, request: GenerationRequest) -> list[GenerationResult]:
+        """Sample one request from a coroutine; many may be in flight at once.
+
+        Rollouts without a native async engine may run ``generate`` in a thread.
+        """
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights, given as HF parameter names and full tensors.
+
+        Called with the chunks of an engine's ``weights_for_rollout()``; a call may
+        carry any subset of the parameters. Must invalidate caches that depend on
+        the weights (prefix / KV caches). Raises ``KeyError`` naming a tensor that
+        matches no parameter and ``ValueError`` naming a shape mismatch; on error
+        the rollout keeps its previous weights usable.
+        """
+        ...
+
+    def sleep(self, level: int = 1) -> None:
+        """Release accelerator memory (level 1: KV cache; level 2: weights too).
+
+        A no-op where meaningless (CPU); ``capabilities.sleep`` says which.
+        """
+        ...
+
+    def wake_up(self) -> None:
+        """Retake what ``sleep`` released. After level 2 the weights must be re-sent."""
+        ...
+
+
+# --------------------------------------------------------------------------- training engines
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """Global sizes of the mini-batch one ``train_batch`` call steps on.
+
+    An engine splits its shard into micro-batches and sums their losses; to make
+    the result independent of the split (and of the data-parallel size) the loss
+    of a micro-batch is normalised by these *global* counts, as verl's ``agg_loss``
+    does: ``dp_size`` ranks, ``batch_num_tokens`` response tokens (mask sum) and
+    ``global_batch_size`` sequences over all ranks.
+    """
+
+    dp_size: int = 1
+    batch_num_tokens: int | None = None
+    global_batch_size: int | None = None
+
+
+class LossFn(Protocol):
+    """A loss the caller hands to ``Engine.train_batch``.
+
+    ``model_output`` holds what the forward pass produced for ``micro_batch``:
+    ``log_probs`` and ``entropy`` ``[b, R]`` for a causal LM, ``values`` ``[b, R]``
+    for a value model. Returns the micro-batch's share of the mini-batch loss
+    (already normalised with ``scale``) and float metrics.
+    """
+
+    def __call__(
+        self, model_output: Mapping[str, torch.Tensor], micro_batch: TensorDict, scale: LossScale
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A model being trained or evaluated by one role (actor, critic, reference).
+
+    Built by the trainer inside each worker process, after the platform set the
+    device and ``torch.distributed`` is initialised, as
+    ``factory(config, role=..., model_type=..., platform=...)`` with
+    ``model_type`` one of ``"causal_lm"``, ``"value"`` (backbone + scalar head)
+    or a plugin's own (``"diffusion"``). Every method is called on every rank of
+    the role's worker group (SPMD); batches arrive already split by data-parallel
+    rank. FSDP, Megatron and the diffusion engine all implement this.
+    """
+
+    role: str
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index (batches are split by it)."""
+        ...
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel shards of the batch."""
+        ...
+
+    def train_batch(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on this rank's shard of a mini-batch.
+
+        Splits ``batch`` into micro-batches (fixed size or by token budget),
+        runs forward, ``loss_fn``, backward for each, then clips the global
+        gradient norm, steps the optimizer and the LR schedule. Returns metrics
+        averaged over micro-batches plus ``grad_norm`` and ``lr``. Raises
+        ``KeyError`` naming a field the forward pass needs and ``batch`` lacks.
+        A non-finite gradient norm skips the step and reports it.
+        """
+        ...
+
+    def infer_batch(
+        self, batch: TensorDict, *, temperature: float = 1.0, compute_entropy: bool = False
+    ) -> TensorDict:
+        """Forward without gradients.
+
+        Returns a TensorDict of ``batch``'s size with ``log_probs`` (log-probability
+        of each response token at ``temperature``) and, when asked, ``entropy``;
+        a value model returns ``values``. All ``[B, R]``.
+        """
+        ...
+
+    def weights_for_rollout(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Yield the full weights in HF names, in chunks of about ``bucket_bytes``.
+
+        Every rank must iterate (gathers are collective); the tensors are complete
+        (unsharded) on every rank. Never materialises the whole model at once.
+        With LoRA, yields merged weights unless configured to send the adapter.
+        """
+        ...
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write a resumable checkpoint (model, optimizer, scheduler, RNG, step) to ``path``.
+
+        Collective. Atomic: a crash mid-save leaves any previous checkpoint whole.
+        """
+        ...
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what ``save_checkpoint`` wrote. Raises ``ValueError`` naming the
+        mismatch when the checkpoint is of another model or world size."""
+        ...
+
+    def export_hf(self, path: str) -> None:
+        """Write a folder that ``transformers`` ``from_pretrained`` loads (safetensors)."""
+        ...
+
+    def offload(self) -> None:
+        """Move parameters / optimizer state off the accelerator (to make room for a rollout)."""
+        ...
+
+    def onload(self) -> None:
+        """Undo ``offload``."""
+        ...
+
+
+# --------------------------------------------------------------------------- rewards
+
+
+class RewardFunction(Protocol):
+    """verl's ``compute_score``: score one decoded response.
+
+    Returns a float or a dict with a ``"score"`` key (other keys become metrics,
+    e.g. ``"acc"``). May raise: the reward manager then gives the configured
+    fallback score, counts the failure, and shows the traceback once.
+    """
+
+    def __call__(
+        self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+    ) -> float | dict[str, Any]: ...
+
+
+@dataclass
+class RewardOutput:
+    """What a reward manager returns for a batch of ``B`` finished samples.
+
+    ``token_level_scores`` is ``[B, R]`` (usually the score on the last response
+    token); ``extra`` holds per-sample lists (``acc``, ``score``...) for metrics
+    and validation; ``metrics`` holds batch-level floats (e.g. failure counts).
+    """
+
+    token_level_scores: torch.Tensor
+    extra: dict[str, list[Any]] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class RewardManager(Protocol):
+    """Turns a batch of finished samples into token-level scores.
+
+    Built as ``factory(tokenizer=..., compute_score=..., config=...)``. The batch
+    has ``responses``, ``response_mask`` and the non-tensor fields
+    ``data_source``, ``ground_truth``, ``extra_info``. Built-ins: ``naive``
+    (one call per sample), ``batch`` (one call for all), ``dapo`` (overlong penalty).
+    """
+
+    def __call__(self, batch: TensorDict) -> RewardOutput:
+        """Score ``batch``. Never raises for a failing reward function (see RewardFunction)."""
+        ...
+
+
+# --------------------------------------------------------------------------- agent loops and tools
+
+
+@dataclass
+class AgentLoopOutput:
+    """One finished trajectory.
+
+    ``response_ids`` interleaves model tokens with tool / environment tokens;
+    ``response_mask`` is 1 on model tokens only, so those are the ones trained.
+    ``log_probs`` has one entry per response token (0.0 for masked tokens).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    log_probs: list[float] = field(default_factory=list)
+    num_turns: int = 1
+    finish_reason: str = "stop"
+    metrics: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class AgentLoop(Protocol):
+    """Drives generation for one sample: single-turn, multi-turn with tools, ...
+
+    Built as ``factory(tokenizer=..., config=..., tools=...)`` once per worker.
+    ``sample`` is a dataset row (``prompt`` messages, ``prompt_ids``,
+    ``extra_info``...). ``client.agenerate`` samples from the current policy.
+    """
+
+    async def run(
+        self, sample: Mapping[str, Any], sampling_params: SamplingParams, client: GenerationClient
+    ) -> AgentLoopOutput:
+        """Return one trajectory for ``sample`` (``sampling_params.n`` is 1 here)."""
+        ...
+
+
+@dataclass
+class ToolResult:
+    """What a tool returns to the conversation; ``reward`` feeds step rewards."""
+
+    text: str
+    reward: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Tool(Protocol):
+    """A function an agent loop may call, with an OpenAI-style JSON schema."""
+
+    name: str
+    schema: dict[str, Any]
+
+    async def execute(self, arguments: dict[str, Any], sample: Mapping[str, Any]) -> ToolResult:
+        """Run the tool; raise ``ValueError`` for bad arguments (shown to the model)."""
+        ...
+
+
+# --------------------------------------------------------------------------- algorithms
+
+
+class AdvantageEstimator(Protocol):
+    """verl's advantage estimator signature.
+
+    ``token_level_rewards`` and ``response_mask`` are ``[B, R]``; ``index`` is the
+    group id of each sample (prompt uid; samples of one prompt share it).
+    Estimators that need more (``values`` for GAE, ``reward_baselines`` for ReMax)
+    take them as keyword arguments. Returns ``(advantages, returns)``, both ``[B, R]``
+    and zero where ``response_mask`` is 0. Raises ``ValueError`` naming the argument
+    for mismatched shapes or non-finite rewards.
+    """
+
+    def __call__(
+        self,
+        token_level_rewards: torch.Tensor,
+        response_mask: torch.Tensor,
+        index: Any = None,
+        config: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class PolicyLoss(Protocol):
+    """verl's policy loss signature.
+
+    ``config`` carries verl's actor fields (``clip_ratio``, ``clip_ratio_low``,
+    ``clip_ratio_high``, ``clip_ratio_c``, ``policy_loss.*``) as an object or a
+    mapping. Returns ``(loss, metrics)`` with a scalar loss and float metrics
+    (``pg_clipfrac``, ``ppo_kl``...). ``loss_scale`` (a :class:`LossScale`), when
+    given, normalises by global counts (see ``agg_loss``).
+    """
+
+    def __call__(
+        self,
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_log_probs: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, Any]]: ...
+
+
+# --------------------------------------------------------------------------- platforms
+
+
+class Platform(Protocol):
+    """One kind of device: CPU, CUDA, Ascend NPU, ROCm...
+
+    The trainer asks the platform, never ``torch.cuda`` directly, so one plugin
+    brings a new accelerator to every engine and rollout.
+    """
+
+    name: str
+    device_type: str  # torch device type: "cpu", "cuda", "npu"
+    dist_backend: str  # torch.distributed backend: "gloo", "nccl", "hccl"
+    visible_devices_env: str | None  # e.g. "CUDA_VISIBLE_DEVICES"; None for CPU
+    ray_resource: str | None  # Ray resource per worker: "GPU", "NPU"; None for CPU
+
+    def is_available(self) -> bool:
+        """Whether this machine has the device and its torch extension imports."""
+        ...
+
+    def device_count(self) -> int:
+        """Number of devices visible to this process."""
+        ...
+
+    def set_device(self, local_rank: int) -> None:
+        """Bind this process to device ``local_rank``."""
+        ...
+
+    def current_device(self) -> torch.device:
+        """The device this process computes on."""
+        ...
+
+    def empty_cache(self) -> None:
+        """Return cached allocator memory to the device."""
+        ...
+
+    def memory_stats(self) -> dict[str, float]:
+        """Allocated / reserved / peak memory in GiB (``{}`` where unknown)."""
+        ...
+
+    def apply_patches(self) -> None:
+        """Apply model or library patches this device needs (idempotent)."""
+        ...
+
+
+# --------------------------------------------------------------------------- aliases for plugins
+
+EngineFactory = Callable[..., Engine]
+RolloutFactory = Callable[..., Rollout]
