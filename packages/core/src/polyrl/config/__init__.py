@@ -1,0 +1,1 @@
+"""Config schemas and loading (OmegaConf structured configs, YAML plus key=value overrides)."""

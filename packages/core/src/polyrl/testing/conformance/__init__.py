@@ -1,0 +1,1 @@
+"""Conformance suites, one module per protocol."""
