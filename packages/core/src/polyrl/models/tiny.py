@@ -1,0 +1,138 @@
+"""Tiny models and tokenizers built in code, with no download.
+
+Tests, benchmarks and the quickstart use these; real users point the same code
+at real checkpoints. :func:`make_tiny_model` writes an HF folder (``config.json``,
+safetensors weights, tokenizer files with a chat template) that transformers,
+vLLM and polyrl's engines all load like any other checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+#: A chat template small enough for tiny models: "<|user|>...\n<|assistant|>".
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}<|system|>{{ message['content'] }}\n"
+    "{% elif message['role'] == 'user' %}<|user|>{{ message['content'] }}\n"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}<|end|>\n"
+    "{% else %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<|tool|>"]
+
+
+def build_char_tokenizer(*, model_max_length: int = 2048) -> Any:
+    """A character-level HF tokenizer: byte-level BPE with no merges (256 byte tokens + specials).
+
+    Byte-level like Qwen2's and GPT-2's, so ``AutoTokenizer`` (which may pick the
+    model family's tokenizer class) and vLLM round-trip any text through it.
+    ``<|end|>`` is EOS, ``<|pad|>`` is padding; the chat template is :data:`CHAT_TEMPLATE`.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<|pad|>",
+        eos_token="<|end|>",
+        model_max_length=model_max_length,
+        padding_side="left",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 512, *, model_max_length: int = 2048) -> Any:
+    """A byte-level BPE tokenizer trained on ``texts`` with the ``tokenizers`` library."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>", model_max_length=model_max_length,
+        padding_side="left",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(arch: str = "qwen2", *, vocab_size: int, size: str = "tiny", **overrides: Any) -> Any:
+    """An HF config for a small decoder. ``size``: ``tiny`` (~0.1M params), ``small`` (~30M)."""
+    from transformers import AutoConfig
+
+    dims = {
+        "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+        "mini": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
+        "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4),
+    }[size]
+    model_type = {"qwen2": "qwen2", "llama": "llama"}[arch]
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+                rms_norm_eps=1e-6,
+        **dims,
+    )
+    kwargs.update(overrides)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def make_tiny_model(
+    path: str | Path,
+    *,
+    arch: str = "qwen2",
+    size: str = "tiny",
+    tokenizer: Any = None,
+    seed: int = 0,
+    **config_overrides: Any,
+) -> Path:
+    """Write a random-init causal LM with a char tokenizer to ``path`` and return it.
+
+    The folder loads with ``AutoModelForCausalLM.from_pretrained`` and
+    ``AutoTokenizer.from_pretrained``, like any real checkpoint.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = tokenizer or build_char_tokenizer()
+    config = tiny_config(
+        arch,
+        vocab_size=len(tokenizer),
+        size=size,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        **config_overrides,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    # Some loaders (vLLM) read the template from tokenizer_config.json only.
+    cfg_file = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg.setdefault("chat_template", CHAT_TEMPLATE)
+    cfg_file.write_text(json.dumps(cfg, indent=2))
+    return path
