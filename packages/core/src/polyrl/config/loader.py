@@ -1,0 +1,229 @@
+"""Load a config: YAML files, then ``key=value`` overrides, validated against the schema.
+
+Every error names the key and where it came from (file or command line) and,
+for an unknown key, suggests the closest known one. Plugin blocks (``actor.fsdp``,
+``rollout.vllm``) are validated against the schema the plugin registered through
+``register_config_schemas`` and attached as the role's ``plugin_config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from polyrl.errors import ConfigError
+
+#: Role sections whose plugin block is named after ``engine``, and the rollout named after ``name``.
+_PLUGIN_BLOCKS = {"actor": ("engine", "engine"), "critic": ("engine", "engine"), "ref": ("engine", "engine"),
+                  "rollout": ("name", "rollout")}
+
+
+def read_sources(files: Sequence[str | Path], overrides: Sequence[str]) -> tuple[dict, dict[str, str]]:
+    """Merge YAML ``files`` and dotlist ``overrides`` into one dict; return it and key origins."""
+    merged: dict = {}
+    origins: dict[str, str] = {}
+    for file in files:
+        path = Path(file)
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        except Exception as exc:  # yaml errors carry line numbers
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if data is None:
+            continue
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        _deep_merge(merged, data, origins, str(path))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"command-line override '{item}' must look like key=value")
+        try:
+            data = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+        except Exception as exc:
+            raise ConfigError(f"command-line override '{item}' is malformed: {exc}") from None
+        _deep_merge(merged, data, origins, f"command line '{item}'")
+    return merged, origins
+
+
+def _deep_merge(dst: dict, src: Mapping, origins: dict[str, str], origin: str, prefix: str = "") -> None:
+    for key, value in src.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and isinstance(dst.get(key), dict):
+            _deep_merge(dst[key], value, origins, origin, path + ".")
+        else:
+            dst[key] = _copy(value)
+        for sub in _leaf_paths(value, path):
+            origins[sub] = origin
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def _leaf_paths(value: Any, path: str) -> list[str]:
+    if isinstance(value, Mapping) and value:
+        return [p for k, v in value.items() for p in _leaf_paths(v, f"{path}.{k}")] + [path]
+    return [path]
+
+
+def _where(origins: Mapping[str, str], path: str) -> str:
+    while path:
+        if path in origins:
+            return origins[path]
+        path = path.rpartition(".")[0]
+    return "defaults"
+
+
+def _dataclass_of(tp: Any) -> type | None:
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in typing.get_args(tp):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def _is_free_mapping(tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    return tp is Any or origin in (dict, Mapping) or tp is dict or (
+        origin in (typing.Union, types.UnionType) and any(_is_free_mapping(a) for a in typing.get_args(tp))
+    )
+
+
+def check_keys(schema: type, data: Mapping, origins: Mapping[str, str], prefix: str = "") -> None:
+    """Raise ``ConfigError`` for the first key of ``data`` that ``schema`` does not define."""
+    hints = typing.get_type_hints(schema)
+    names = [f.name for f in dataclasses.fields(schema)]
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in hints:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"unknown config key '{path}' (from {_where(origins, path)}).{hint} "
+                f"Keys of '{prefix.rstrip('.') or 'the config'}': {', '.join(names)}."
+            )
+        sub = _dataclass_of(hints[key])
+        if sub is not None and isinstance(value, Mapping) and not _is_free_mapping(hints[key]):
+            check_keys(sub, value, origins, path + ".")
+
+
+def build(schema: type, data: Mapping, origins: Mapping[str, str], prefix: str = "") -> Any:
+    """Validate ``data`` against the dataclass ``schema`` and return an instance."""
+    check_keys(schema, data, origins, prefix)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), data)
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = f"{prefix}{exc.full_key}" if getattr(exc, "full_key", None) else prefix.rstrip(".")
+        msg = str(exc).splitlines()[0]
+        raise ConfigError(f"config key '{key}' (from {_where(origins, key)}): {msg}") from None
+    return obj
+
+
+def load_config(
+    schema: type,
+    files: Sequence[str | Path] = (),
+    overrides: Sequence[str] = (),
+    *,
+    base: Mapping | None = None,
+    plugins: Any = None,
+) -> Any:
+    """Load ``files`` and ``overrides`` (on top of ``base``) into an instance of ``schema``.
+
+    Plugin blocks are validated against registered ``config_schema`` entries of
+    ``plugins`` (the process-wide plugin manager when None).
+    """
+    raw, origins = read_sources(files, overrides)
+    if base:
+        merged: dict = {}
+        _deep_merge(merged, base, {}, "defaults")
+        _deep_merge(merged, raw, origins, "")
+        raw = merged
+    return from_dict(schema, raw, origins, plugins=plugins)
+
+
+def from_dict(schema: type, raw: Mapping, origins: Mapping[str, str] | None = None, *, plugins: Any = None) -> Any:
+    """Validate an already merged config dict (see :func:`load_config`)."""
+    origins = dict(origins or {})
+    raw = _copy(raw)
+    _share_model_block(schema, raw)
+    plugin_blocks = _pop_plugin_blocks(schema, raw)
+    config = build(schema, raw, origins)
+    for section, (name, block) in plugin_blocks.items():
+        setattr(getattr(config, section), "plugin_config", _plugin_config(section, name, block, origins, plugins))
+    return config
+
+
+def _share_model_block(schema: type, raw: dict) -> None:
+    """Roles without their own ``model.path`` train the top-level ``model``."""
+    hints = typing.get_type_hints(schema)
+    top = raw.get("model")
+    if top is None:
+        return
+    for section in ("actor", "critic"):
+        if section in hints:
+            role = raw.setdefault(section, {})
+            own = role.get("model", {}) or {}
+            combined: dict = {}
+            _deep_merge(combined, top, {}, "")
+            _deep_merge(combined, own, {}, "")
+            role["model"] = combined
+
+
+def _pop_plugin_blocks(schema: type, raw: dict) -> dict[str, tuple[str, Any]]:
+    hints = typing.get_type_hints(schema)
+    found: dict[str, tuple[str, Any]] = {}
+    for section, (name_key, kind) in _PLUGIN_BLOCKS.items():
+        if section not in hints:
+            continue
+        sub_schema = _dataclass_of(hints[section])
+        block = raw.get(section) or {}
+        default = getattr(sub_schema(), name_key, "") if sub_schema else ""
+        name = block.get(name_key) or default
+        if section == "ref" and not name:
+            name = (raw.get("actor") or {}).get("engine") or "fsdp"
+        options = block.pop(name, None) if isinstance(block, dict) and name else None
+        if isinstance(block, dict) and options is None:
+            options = block.pop("plugin_config", None)  # a resolved config.yaml written by a run
+        found[section] = (f"{kind}.{name}", options)
+    return found
+
+
+def _plugin_config(section: str, schema_name: str, block: Any, origins: Mapping[str, str], plugins: Any) -> Any:
+    from polyrl.plugins import get_plugin_manager
+
+    pm = plugins or get_plugin_manager()
+    registry = pm.registry("config_schema")
+    plugin_name = schema_name.partition(".")[2]
+    if schema_name not in registry:
+        if block:
+            raise ConfigError(
+                f"config block '{section}.{plugin_name}' has no registered schema: no loaded plugin registers "
+                f"config schema '{schema_name}'. Is the plugin providing '{plugin_name}' installed and in the manifest?"
+            )
+        return None
+    return build(registry.get(schema_name), block or {}, origins, f"{section}.{plugin_name}.")
+
+
+def to_dict(config: Any) -> dict:
+    """A plain dict of a config instance (for YAML dumps and Ray transport)."""
+    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
+
+
+def to_yaml(config: Any) -> str:
+    """YAML text of a config instance, as written into the run directory."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

@@ -1,0 +1,58 @@
+"""``polyrl plot RUN_DIR``: PNG curves of a run's reward, accuracy, response length and KL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from polyrl.tracking import read_metrics
+
+#: Panels: title and the metric keys drawn in it (a key ending in '*' matches a prefix/suffix pattern).
+PANELS = [
+    ("reward", ["critic/score/mean"]),
+    ("accuracy", ["acc/mean", "val/*mean@1"]),
+    ("response length", ["response_length/mean"]),
+    ("KL", ["actor/ppo_kl", "actor/kl_ref", "actor/kl_loss"]),
+    ("policy loss", ["actor/pg_loss", "sft/loss"]),
+    ("throughput (tokens/s)", ["throughput/tokens_per_s"]),
+]
+
+
+def _match(pattern: str, keys: list[str]) -> list[str]:
+    if "*" not in pattern:
+        return [pattern] if pattern in keys else []
+    head, _, tail = pattern.partition("*")
+    return sorted(k for k in keys if k.startswith(head) and k.endswith(tail))
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw the run's curves into one PNG (default ``RUN_DIR/curves.png``) and return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    keys = sorted({k for r in rows for k in r})
+    panels = [(t, [k for p in pats for k in _match(p, keys)]) for t, pats in PANELS]
+    panels = [(t, ks) for t, ks in panels if ks]
+    if not panels:
+        raise ValueError(f"{run_dir}/metrics.jsonl holds none of the plotted metrics")
+    cols = 2
+    nrows = (len(panels) + 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(11, 3.2 * nrows), squeeze=False)
+    for ax, (title, ks) in zip(axes.flat, panels):
+        for k in ks:
+            pts = [(r["step"], r[k]) for r in rows if k in r]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if len(pts) < 30 else None, ms=3, label=k)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(str(Path(run_dir).name))
+    fig.tight_layout()
+    out = Path(out) if out else Path(run_dir) / "curves.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

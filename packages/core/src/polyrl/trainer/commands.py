@@ -1,0 +1,115 @@
+"""What the ``polyrl`` verbs ``train``, ``sft``, ``export`` and ``plot`` run.
+
+Each function is usable from Python as well as from the CLI:
+
+```python
+from polyrl.trainer.commands import train
+train(manifest="polyrl.toml", configs=["my_run.yaml"], overrides=["trainer.total_steps=20"])
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from polyrl.errors import CheckpointError, ConfigError
+from polyrl.manifest import Manifest
+
+
+def _plugins(manifest: str | Path | Manifest | None) -> tuple[Manifest | None, Any]:
+    from polyrl import plugins
+
+    if isinstance(manifest, (str, Path)):
+        manifest = Manifest.load(manifest)
+    pm = plugins.activate(manifest)
+    return manifest, pm
+
+
+def _check_names(config: Any, pm: Any, sections: Sequence[str]) -> None:
+    """Fail before starting any worker when a role names an engine or rollout no loaded plugin provides."""
+    for section in sections:
+        role = getattr(config, section)
+        kind, name = ("rollout", role.name) if section == "rollout" else ("engine", role.engine)
+        try:
+            pm.entry(kind, name)
+        except LookupError as exc:
+            key = f"{section}.name" if section == "rollout" else f"{section}.engine"
+            raise ConfigError(f"config key '{key}': {exc}") from None
+
+
+def train(manifest: str | Path | Manifest | None = None, configs: Sequence[str | Path] = (),
+          overrides: Sequence[str] = (), *, base: dict | None = None) -> dict[str, float]:
+    """``polyrl train``: RL post-training (PPO / GRPO and family). Returns the final metrics."""
+    from polyrl.config.loader import load_config
+    from polyrl.config.schema import PolyrlConfig
+    from polyrl.trainer.ppo import PPOTrainer
+
+    manifest, pm = _plugins(manifest)
+    config = load_config(PolyrlConfig, configs, overrides, base=base, plugins=pm)
+    sections = ["actor", "rollout"] + (["critic"] if config.algorithm.adv_estimator == "gae" else [])
+    _check_names(config, pm, sections)
+    trainer_name = "ppo"
+    factory = pm.get("trainer", trainer_name) if trainer_name in pm.registry("trainer") else PPOTrainer
+    return factory(config, manifest=manifest, plugins=pm).fit()
+
+
+def sft(manifest: str | Path | Manifest | None = None, configs: Sequence[str | Path] = (),
+        overrides: Sequence[str] = (), *, base: dict | None = None) -> dict[str, float]:
+    """``polyrl sft``: supervised warm start; writes ``RUN_DIR/hf``."""
+    from polyrl.config.loader import load_config
+    from polyrl.config.schema import SFTConfig
+    from polyrl.trainer.sft import SFTTrainer
+
+    manifest, pm = _plugins(manifest)
+    config = load_config(SFTConfig, configs, overrides, base=base, plugins=pm)
+    _check_names(config, pm, ["actor"])
+    return SFTTrainer(config, manifest=manifest).fit()
+
+
+def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manifest | None = None) -> Path:
+    """``polyrl export CKPT --to DIR``: write a checkpoint's actor as an HF folder."""
+    from polyrl.config.loader import load_config
+    from polyrl.config.schema import PolyrlConfig
+    from polyrl.controller.distributed import free_port
+    from polyrl.controller.worker import Worker
+    from polyrl.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
+    from polyrl.trainer.workers import start_ray
+
+    ckpt = Path(checkpoint).resolve()
+    if not (ckpt / "actor").exists():
+        raise CheckpointError(f"{ckpt} is not a polyrl checkpoint (no 'actor' folder); expected RUN_DIR/checkpoints/step_N")
+    run_dir = ckpt.parent.parent
+    config_file = run_dir / "config.yaml"
+    if not config_file.exists():
+        raise CheckpointError(f"{config_file} is missing: export needs the run's config next to its checkpoints")
+    if manifest is None and (run_dir / "manifest.lock.toml").exists():
+        manifest = run_dir / "manifest.lock.toml"
+    manifest, pm = _plugins(manifest)
+    config = load_config(PolyrlConfig, [config_file], plugins=pm)
+    config.trainer.run_dir = str(run_dir)
+    kwargs = dict(config=config, roles=["actor"], manifest=manifest, master_port=free_port(), role_kind="sft")
+    owns_ray = False
+    if config.trainer.executor == "local":
+        group = LocalWorkerGroup(Worker, **kwargs)
+    else:
+        owns_ray = start_ray(config, Path("/tmp"))
+        group = RayWorkerGroup(Worker, config.trainer.n_workers, name="export", **kwargs)
+    try:
+        group.call_all("load_checkpoint", str(ckpt))
+        group.call_all("export_hf", str(Path(to).resolve()))
+    finally:
+        group.shutdown()
+        if owns_ray:
+            import ray
+
+            ray.shutdown()
+    return Path(to)
+
+
+def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """``polyrl plot RUN_DIR``: PNG curves; returns the file written."""
+    from polyrl.plotting import plot_run
+
+    return plot_run(run_dir, out)

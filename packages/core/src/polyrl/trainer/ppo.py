@@ -1,0 +1,480 @@
+"""The PPO / GRPO trainer: the single controller's loop, top to bottom.
+
+One step, in DESIGN.md's order::
+
+    prompts -> agent loops -> rollout.generate -> reward manager -> old log-probs (actor)
+            -> ref log-probs -> values (critic) -> advantage estimator -> critic update
+            -> actor update (policy loss) -> weights_for_rollout -> rollout.update_weights
+            -> checkpoint / validate / log
+
+The algorithm runs here, in plain Python, on batches (TensorDicts); the models
+live in worker groups (:mod:`polyrl.controller`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from polyrl import batch as batch_ops
+from polyrl.config.loader import to_yaml
+from polyrl.errors import ConfigError
+from polyrl.manifest import Manifest
+from polyrl.protocols import SamplingParams
+from polyrl.trainer.checkpoint import CheckpointManager, read_state, resolve_resume
+from polyrl.trainer.workers import RoleGroups, build_role_groups
+
+#: Estimators that need a critic's values.
+_NEEDS_CRITIC = {"gae"}
+
+
+class PPOTrainer:
+    """Runs RL post-training for ``config`` (a :class:`polyrl.config.schema.PolyrlConfig`)."""
+
+    def __init__(self, config: Any, *, manifest: Manifest | None = None, plugins: Any = None) -> None:
+        from transformers import AutoTokenizer
+
+        from polyrl.plugins import get_plugin_manager
+
+        self.config = config
+        self.manifest = manifest
+        self.pm = plugins or get_plugin_manager()
+        cfg = config
+        self.run_dir = Path(cfg.trainer.run_dir).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._check_config()
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model.tokenizer_path or cfg.actor.model.path)
+
+        from polyrl.data import RLDataLoader, RLDataset
+
+        data = cfg.data
+        self.train_set = RLDataset(
+            list(data.train_files), self.tokenizer, max_prompt_length=data.max_prompt_length,
+            truncation=data.truncation, chat_template=data.apply_chat_template,
+        )
+        self.val_set = (
+            RLDataset(list(data.val_files), self.tokenizer, max_prompt_length=data.max_prompt_length,
+                      truncation=data.truncation, chat_template=data.apply_chat_template)
+            if data.val_files else None
+        )
+        self.loader = RLDataLoader(self.train_set, batch_size=data.train_batch_size, shuffle=data.shuffle,
+                                   seed=data.seed, drop_last=True)
+        if len(self.loader) == 0:
+            raise ConfigError(
+                f"data.train_batch_size={data.train_batch_size} is larger than the training set "
+                f"({len(self.train_set)} prompts after filtering): lower it or add data"
+            )
+        steps_per_epoch = len(self.loader)
+        self.total_steps = cfg.trainer.total_steps or steps_per_epoch * cfg.trainer.total_epochs
+        updates = max(1, data.train_batch_size // cfg.actor.ppo_mini_batch_size) * cfg.actor.ppo_epochs
+        cfg.actor.optim.total_steps = self.total_steps * updates
+        cfg.critic.optim.total_steps = self.total_steps * max(
+            1, data.train_batch_size // cfg.critic.ppo_mini_batch_size) * cfg.critic.ppo_epochs
+
+        from polyrl.algorithms import get_adv_estimator_fn, get_kl_controller
+        from polyrl.rewards import load_compute_score
+
+        self.adv_fn = get_adv_estimator_fn(cfg.algorithm.adv_estimator)
+        self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
+        compute_score = load_compute_score(cfg.reward.function)
+        manager = self.pm.get("reward_manager", cfg.reward.manager)
+        self.reward_fn = manager(tokenizer=self.tokenizer, compute_score=compute_score, config=cfg.reward)
+        self.use_critic = cfg.algorithm.adv_estimator in _NEEDS_CRITIC
+        kl_used = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        enable = str(cfg.ref.enable).lower()
+        self.use_ref = enable == "true" or (enable == "auto" and kl_used)
+        if kl_used and not self.use_ref:
+            raise ConfigError("a KL term is configured (actor.use_kl_loss / algorithm.use_kl_in_reward) but ref.enable=false")
+        self.ckpt = CheckpointManager(self.run_dir, keep=cfg.trainer.max_checkpoints)
+        self.global_step = 0
+        self.groups: RoleGroups | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def _check_config(self) -> None:
+        cfg = self.config
+        if cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size:
+            raise ConfigError(
+                f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of "
+                f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size}"
+            )
+        n_workers = cfg.trainer.n_workers if cfg.trainer.executor == "ray" else 1
+        rows = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+        if rows % n_workers:
+            raise ConfigError(
+                f"actor.ppo_mini_batch_size * rollout.n = {rows} rows must divide over trainer.n_workers={n_workers}"
+            )
+        if cfg.trainer.executor not in ("ray", "local"):
+            raise ConfigError(f"trainer.executor={cfg.trainer.executor!r}: choose 'ray' or 'local'")
+        if cfg.rollout.response_length != cfg.data.max_response_length:
+            cfg.rollout.response_length = cfg.data.max_response_length
+        cfg.rollout.prompt_length = cfg.data.max_prompt_length
+
+    def _write_run_files(self) -> None:
+        """The resolved config and a manifest pinning every loaded plugin distribution, for reruns."""
+        (self.run_dir / "config.yaml").write_text(to_yaml(self.config))
+        loaded = sorted({(p["distribution"], p["version"]) for p in self.pm.describe()
+                         if p["distribution"] and p["distribution"] != "polyrl"})
+        lock = Manifest(
+            require=tuple(f"{d}=={v}" for d, v in loaded),
+            modules=self.manifest.modules if self.manifest else (),
+            block=self.manifest.block if self.manifest else (),
+        )
+        (self.run_dir / "manifest.lock.toml").write_text(lock.to_toml())
+
+    def _sampling(self, validate: bool = False) -> SamplingParams:
+        r = self.config.rollout
+        if validate:
+            return SamplingParams(temperature=r.val_temperature, top_p=r.val_top_p, top_k=-1,
+                                  max_new_tokens=r.response_length, n=1, stop_token_ids=list(r.stop_token_ids),
+                                  seed=self.config.trainer.seed)
+        return SamplingParams(
+            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.response_length, n=1,
+            stop_token_ids=list(r.stop_token_ids),
+            # One seed per step: a resumed run samples exactly what an uninterrupted run would.
+            seed=self.config.trainer.seed * 1_000_003 + self.global_step,
+        )
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, float]:
+        """Train for ``total_steps``; returns the last validation metrics (or the last step's)."""
+        from polyrl.tracking import Tracker
+
+        cfg = self.config
+        resume_from = resolve_resume(cfg.trainer.resume, self.ckpt)
+        self._write_run_files()
+        self.groups = build_role_groups(cfg, manifest=self.manifest, use_ref=self.use_ref,
+                                        use_critic=self.use_critic, run_dir=self.run_dir)
+        tracker = Tracker(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
+                          experiment=cfg.trainer.experiment_name, resume=resume_from is not None)
+        last_val: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        try:
+            if resume_from is not None:
+                self._load(resume_from)
+            else:
+                self.groups.sync_weights()
+            if self.val_set is not None and cfg.trainer.val_before_train and resume_from is None:
+                last_val = self.validate()
+                tracker.log(last_val, self.global_step)
+            bar = _progress(cfg.trainer.progress_bar, self.total_steps, self.global_step)
+            while self.global_step < self.total_steps:
+                metrics = self.step()
+                self.global_step += 1
+                is_last = self.global_step >= self.total_steps
+                if self.val_set is not None and cfg.trainer.test_freq and (
+                    self.global_step % cfg.trainer.test_freq == 0 or is_last
+                ):
+                    last_val = self.validate()
+                    metrics.update(last_val)
+                if cfg.trainer.save_freq and (self.global_step % cfg.trainer.save_freq == 0 or is_last):
+                    self.save()
+                tracker.log(metrics, self.global_step)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("critic/score/mean",) if k in metrics})
+            if bar is not None:
+                bar.close()
+        finally:
+            tracker.close()
+            self.groups.shutdown()
+        return {**metrics, **last_val}
+
+    def _next_rows(self) -> list[dict]:
+        try:
+            return next(self._iter)
+        except (AttributeError, StopIteration):
+            self._iter = iter(self.loader)
+            return next(self._iter)
+
+    def step(self) -> dict[str, float]:
+        """One PPO/GRPO step; returns its metrics."""
+        cfg = self.config
+        groups = self.groups
+        timing: dict[str, float] = {}
+        t_step = time.perf_counter()
+        n = cfg.rollout.n
+
+        # prompts -> agent loops -> rollout.generate -> reward manager (with DAPO's group filter)
+        kept: list[TensorDict] = []
+        kept_groups = 0
+        gen_rounds = 0
+        filter_cfg = cfg.algorithm.filter_groups
+        reward_metrics: dict[str, list[float]] = defaultdict(list)
+        while True:
+            rows = self._next_rows()
+            gen_rounds += 1
+            with _timer(timing, "gen"):
+                batch = self._generate(rows, n, validate=False)
+            with _timer(timing, "reward"):
+                out = self.reward_fn(batch)
+            batch["token_level_scores"] = out.token_level_scores.float()
+            for k, v in out.metrics.items():
+                reward_metrics[k].append(float(v))
+            for key in ("acc", "score"):
+                if key in out.extra:
+                    batch[f"_{key}"] = torch.tensor([float(x) for x in out.extra[key]])
+            if not filter_cfg.enable:
+                kept = [batch]
+                kept_groups = len(rows)
+                break
+            batch, groups_left = _filter_groups(batch, filter_cfg.metric, n)
+            if groups_left:
+                kept.append(batch)
+                kept_groups += groups_left
+            if kept_groups >= cfg.data.train_batch_size or (
+                filter_cfg.max_num_gen_batches and gen_rounds >= filter_cfg.max_num_gen_batches
+            ):
+                break
+        batch = batch_ops.concat(kept) if len(kept) > 1 else kept[0]
+        if filter_cfg.enable:
+            batch = _fit_to_groups(batch, cfg.data.train_batch_size, n, cfg.trainer.n_workers, cfg.actor.ppo_mini_batch_size)
+        metrics: dict[str, float] = {"train/gen_rounds": float(gen_rounds)}
+        metrics.update({k: float(np.mean(v)) for k, v in reward_metrics.items()})
+
+        # old log-probs (actor) -> ref log-probs -> values (critic)
+        tensors = batch_ops.tensor_fields(batch)
+        with _timer(timing, "old_log_prob"):
+            old = groups.actor.dispatch("compute_log_prob", tensors)
+        batch["old_log_probs"] = old["log_probs"]
+        mask = batch["response_mask"].float()
+        metrics["actor/entropy_rollout"] = float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1))
+        if "rollout_log_probs" in batch.keys():
+            diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
+            metrics["rollout/logprob_diff_mean"] = float(diff.sum() / mask.sum().clamp(min=1))
+        if self.use_ref:
+            with _timer(timing, "ref"):
+                batch["ref_log_prob"] = groups.ref.dispatch("compute_ref_log_prob", batch_ops.tensor_fields(batch))[
+                    "log_probs"]
+        if self.use_critic:
+            with _timer(timing, "values"):
+                batch["values"] = groups.critic.dispatch("compute_values", batch_ops.tensor_fields(batch))["values"]
+
+        # rewards (KL in reward) -> advantage estimator
+        with _timer(timing, "adv"):
+            if self.kl_ctrl is not None:
+                from polyrl.algorithms import apply_kl_penalty
+
+                rewards, kl_metrics = apply_kl_penalty(
+                    batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"], batch["response_mask"],
+                    self.kl_ctrl, cfg.algorithm.kl_penalty,
+                )
+                batch["token_level_rewards"] = rewards
+                metrics.update(kl_metrics)
+            else:
+                batch["token_level_rewards"] = batch["token_level_scores"]
+            extra = dict(cfg.algorithm.extra)
+            if self.use_critic:
+                extra["values"] = batch["values"]
+            advantages, returns = self.adv_fn(
+                token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+                index=np.array(batch_ops.non_tensor(batch, "uid"), dtype=object), config=cfg.algorithm, **extra,
+            )
+            batch["advantages"], batch["returns"] = advantages, returns
+
+        # critic update -> actor update
+        tensors = batch_ops.tensor_fields(batch)
+        if self.use_critic:
+            with _timer(timing, "update_critic"):
+                metrics.update(_mean_of(groups.critic.dispatch("update_critic", tensors)))
+        if not self.use_critic or self.global_step >= cfg.critic.warmup_steps:
+            with _timer(timing, "update_actor"):
+                metrics.update(_mean_of(groups.actor.dispatch("update_actor", tensors)))
+
+        # weights_for_rollout -> rollout.update_weights
+        with _timer(timing, "weight_sync"):
+            groups.sync_weights()
+
+        metrics.update(_batch_metrics(batch))
+        timing["step"] = time.perf_counter() - t_step
+        metrics.update({f"timing/{k}": v for k, v in timing.items()})
+        tokens = float(batch["attention_mask"].sum())
+        metrics["throughput/tokens_per_s"] = tokens / max(timing["step"], 1e-9)
+        metrics["throughput/gen_tokens_per_s"] = float(batch["response_mask"].sum()) / max(timing["gen"], 1e-9)
+        if self.kl_ctrl is not None:
+            self.kl_ctrl.update(metrics.get("actor/reward_kl_penalty", 0.0), n_steps=cfg.data.train_batch_size)
+        return metrics
+
+    def _generate(self, rows: list[dict], n: int, *, validate: bool) -> TensorDict:
+        samples = [row for row in rows for _ in range(n)]
+        batch = self.groups.generate(samples, self._sampling(validate))
+        batch_ops.set_non_tensor(batch, "uid", [s["uid"] for s in samples])
+        batch_ops.set_non_tensor(batch, "data_source", [s.get("data_source", "") for s in samples])
+        batch_ops.set_non_tensor(batch, "ground_truth", [(s.get("reward_model") or {}).get("ground_truth") for s in samples])
+        batch_ops.set_non_tensor(batch, "extra_info", [s.get("extra_info") or {} for s in samples])
+        return batch
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        """mean@1 (and pass@k with ``rollout.val_n > 1``) per data source on the validation set."""
+        from polyrl.data import RLDataLoader
+
+        cfg = self.config
+        k = max(1, cfg.rollout.val_n)
+        size = len(self.val_set) if not cfg.data.val_max_samples else min(len(self.val_set), cfg.data.val_max_samples)
+        batch_size = cfg.data.val_batch_size or size
+        loader = RLDataLoader(self.val_set, batch_size=batch_size, shuffle=False, seed=0, drop_last=False)
+        per_source: dict[str, list[list[float]]] = defaultdict(list)
+        seen = 0
+        for rows in loader:
+            rows = rows[: size - seen]
+            seen += len(rows)
+            rows = _pad_rows(rows, self.groups.rollout.world_size)
+            batch = self._generate(rows, k, validate=True)
+            out = self.reward_fn(batch)
+            correct = out.extra.get("acc") or [float(s > 0) for s in out.token_level_scores.sum(-1).tolist()]
+            sources = batch_ops.non_tensor(batch, "data_source")
+            for i in range(0, len(correct), k):
+                if rows[i // k].get("_pad"):
+                    continue
+                per_source[sources[i]].append([float(c) for c in correct[i : i + k]])
+            if seen >= size:
+                break
+        metrics: dict[str, float] = {}
+        for source, groups in per_source.items():
+            arr = np.array(groups)
+            metrics[f"val/{source}/mean@1"] = float(arr[:, 0].mean())
+            if k > 1:
+                metrics[f"val/{source}/pass@{k}"] = float((arr > 0).any(axis=1).mean())
+                metrics[f"val/{source}/mean@{k}"] = float(arr.mean())
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> Path:
+        """Checkpoint every engine and the trainer state (step, data position, RNG, KL controller)."""
+        state = {
+            "global_step": self.global_step,
+            "loader": self.loader.state_dict(),
+            "python_rng": _encode_rng(random.getstate()),
+            "numpy_rng": _encode_rng(np.random.get_state()),
+            "torch_rng": self._torch_rng(),
+            "kl_coef": getattr(self.kl_ctrl, "value", None),
+        }
+        return self.ckpt.save(self.global_step, self.groups.save_checkpoint, state)
+
+    def _torch_rng(self) -> list[int]:
+        return torch.get_rng_state().tolist()
+
+    def _load(self, path: Path) -> None:
+        state = read_state(path)
+        self.groups.load_checkpoint(str(path))
+        self.global_step = state["global_step"]
+        self.loader.load_state_dict(state["loader"])
+        self._iter = iter(self.loader)
+        random.setstate(_decode_rng(state["python_rng"]))
+        np.random.set_state(_decode_rng(state["numpy_rng"]))
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        if self.kl_ctrl is not None and state.get("kl_coef") is not None:
+            self.kl_ctrl.value = state["kl_coef"]
+        self.groups.sync_weights()
+        print(f"[polyrl] resumed from {path} at step {self.global_step}", flush=True)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+class _timer:
+    def __init__(self, out: dict[str, float], name: str) -> None:
+        self.out, self.name = out, name
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.out[self.name] = self.out.get(self.name, 0.0) + time.perf_counter() - self.start
+
+
+def _progress(enabled: bool, total: int, initial: int):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="polyrl train", unit="step", dynamic_ncols=True)
+
+
+def _mean_of(results: dict[str, float] | list[dict[str, float]]) -> dict[str, float]:
+    if isinstance(results, dict):
+        return dict(results)
+    keys = set().union(*results) if results else set()
+    return {k: float(np.mean([r[k] for r in results if k in r])) for k in keys}
+
+
+def _batch_metrics(batch: TensorDict) -> dict[str, float]:
+    mask = batch["response_mask"].float()
+    lengths = mask.sum(-1)
+    scores = batch["token_level_scores"].sum(-1)
+    rewards = batch["token_level_rewards"].sum(-1)
+    adv = batch["advantages"][mask.bool()]
+    out = {
+        "critic/score/mean": float(scores.mean()),
+        "critic/score/max": float(scores.max()),
+        "critic/score/min": float(scores.min()),
+        "critic/rewards/mean": float(rewards.mean()),
+        "critic/advantages/mean": float(adv.mean()) if adv.numel() else 0.0,
+        "critic/advantages/max": float(adv.max()) if adv.numel() else 0.0,
+        "critic/advantages/min": float(adv.min()) if adv.numel() else 0.0,
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float((lengths >= batch["responses"].shape[1]).float().mean()),
+        "prompt_length/mean": float(batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).float().mean()),
+    }
+    if "_acc" in batch.keys():
+        out["acc/mean"] = float(batch["_acc"].mean())
+    if "ref_log_prob" in batch.keys():
+        kl = ((batch["old_log_probs"] - batch["ref_log_prob"]) * mask).sum() / mask.sum().clamp(min=1)
+        out["actor/kl_ref"] = float(kl)
+    return out
+
+
+def _filter_groups(batch: TensorDict, metric: str, n: int) -> tuple[TensorDict, int]:
+    """DAPO dynamic sampling: keep groups whose ``metric`` varies across their ``n`` samples."""
+    key = f"_{metric}" if f"_{metric}" in batch.keys() else None
+    values = batch[key] if key else batch["token_level_scores"].sum(-1)
+    groups = values.view(-1, n)
+    keep = groups.std(dim=1) > 0 if n > 1 else torch.ones(groups.shape[0], dtype=torch.bool)
+    rows = keep.repeat_interleave(n)
+    return batch[rows], int(keep.sum())
+
+
+def _fit_to_groups(batch: TensorDict, groups: int, n: int, n_workers: int, mini: int) -> TensorDict:
+    """Trim a filtered batch to whole groups that split evenly over workers and mini-batches."""
+    have = batch.batch_size[0] // n
+    take = min(have, groups)
+    unit = math.lcm(max(1, mini), 1)
+    take = max(unit, take - take % unit) if take >= unit else take
+    while take > 0 and (take * n) % n_workers:
+        take -= 1
+    if take == 0:
+        raise RuntimeError(
+            "dynamic sampling (algorithm.filter_groups) kept no usable group this step: every group got identical "
+            "rewards. Raise algorithm.filter_groups.max_num_gen_batches or check the reward function."
+        )
+    return batch[: take * n]
+
+
+def _pad_rows(rows: list[dict], multiple: int) -> list[dict]:
+    extra = (-len(rows)) % multiple
+    return rows + [dict(rows[-1], _pad=True) for _ in range(extra)]
+
+
+def _encode_rng(state: Any) -> Any:
+    if isinstance(state, tuple):
+        return [_encode_rng(s) for s in state]
+    if isinstance(state, np.ndarray):
+        return {"__ndarray__": state.tolist(), "dtype": str(state.dtype)}
+    return state
+
+
+def _decode_rng(state: Any) -> Any:
+    if isinstance(state, dict) and "__ndarray__" in state:
+        return np.array(state["__ndarray__"], dtype=state["dtype"])
+    if isinstance(state, list):
+        return tuple(_decode_rng(s) for s in state)
+    return state

@@ -1,0 +1,142 @@
+"""``polyrl sft``: supervised fine-tuning with the same engines and worker groups as RL.
+
+Rows are verl-format prompts (``prompt`` chat messages) with the target text under
+``response`` (``SFTConfig.response_key``), or a ``messages`` list whose last
+assistant message is the target. The loss is the token-mean negative
+log-likelihood of the response tokens (EOS included).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+
+from tensordict import TensorDict
+
+from polyrl.config.loader import to_yaml
+from polyrl.errors import DataError
+from polyrl.manifest import Manifest
+
+
+def sft_examples(rows: list[dict], tokenizer: Any, response_key: str, max_prompt: int, max_response: int,
+                 source: str = "data") -> list[tuple[list[int], list[int]]]:
+    """Tokenize rows into ``(prompt_ids, response_ids)``; errors name the file and row."""
+    out = []
+    for i, row in enumerate(rows):
+        if "messages" in row and response_key not in row:
+            messages = list(row["messages"])
+            if not messages or messages[-1].get("role") != "assistant":
+                raise DataError(f"{source} row {i}: 'messages' must end with an assistant message to train on")
+            prompt, response = messages[:-1], messages[-1]["content"]
+        else:
+            if "prompt" not in row or response_key not in row:
+                raise DataError(
+                    f"{source} row {i}: an SFT row needs 'prompt' (chat messages) and '{response_key}' "
+                    f"(target text), or 'messages'; it has {sorted(row)}"
+                )
+            prompt, response = row["prompt"], row[response_key]
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        prompt_ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
+            prompt_ids = prompt_ids["input_ids"]
+        response_ids = tokenizer(str(response), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        out.append((list(prompt_ids)[-max_prompt:], response_ids[:max_response]))
+    return out
+
+
+def sft_batch(examples: list[tuple[list[int], list[int]]], pad_token_id: int) -> TensorDict:
+    """A training batch (protocol field names) from tokenized SFT examples."""
+    from polyrl.agent_loops import collate
+    from polyrl.protocols import AgentLoopOutput
+
+    outputs = [AgentLoopOutput(prompt_ids=p, response_ids=r, response_mask=[1] * len(r)) for p, r in examples]
+    p_len = max(len(p) for p, _ in examples)
+    r_len = max(len(r) for _, r in examples)
+    return collate(outputs, pad_token_id=pad_token_id, max_prompt_length=p_len, max_response_length=r_len)
+
+
+class SFTTrainer:
+    """Runs ``polyrl sft`` for an :class:`polyrl.config.schema.SFTConfig`."""
+
+    def __init__(self, config: Any, *, manifest: Manifest | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        from polyrl.data import load_rows
+
+        self.config = config
+        self.manifest = manifest
+        self.run_dir = Path(config.trainer.run_dir).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        model = config.actor.model
+        self.tokenizer = AutoTokenizer.from_pretrained(model.tokenizer_path or model.path)
+        rows: list[dict] = []
+        examples = []
+        for file in config.data.train_files:
+            file_rows = load_rows(file)
+            rows += file_rows
+            examples += sft_examples(file_rows, self.tokenizer, config.response_key, config.data.max_prompt_length,
+                                     config.data.max_response_length, source=str(file))
+        if not examples:
+            raise DataError("data.train_files holds no rows to train on")
+        self.examples = examples
+        bs = config.data.train_batch_size
+        self.steps_per_epoch = len(examples) // bs
+        if self.steps_per_epoch == 0:
+            raise DataError(f"data.train_batch_size={bs} is larger than the {len(examples)} SFT examples")
+        self.total_steps = config.trainer.total_steps or self.steps_per_epoch * config.trainer.total_epochs
+        config.actor.optim.total_steps = self.total_steps
+
+    def fit(self) -> dict[str, float]:
+        """Train, then export the model as an HF folder to ``RUN_DIR/hf``."""
+        from polyrl.controller.distributed import free_port
+        from polyrl.controller.worker import Worker
+        from polyrl.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
+        from polyrl.tracking import Tracker
+        from polyrl.trainer.workers import start_ray
+
+        cfg = self.config
+        (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        kwargs = dict(config=cfg, roles=["actor"], manifest=self.manifest, master_port=free_port(), role_kind="sft")
+        owns_ray = False
+        if cfg.trainer.executor == "local":
+            group = LocalWorkerGroup(Worker, **kwargs)
+        else:
+            owns_ray = start_ray(cfg, self.run_dir)
+            group = RayWorkerGroup(Worker, cfg.trainer.n_workers, name="sft", **kwargs)
+        tracker = Tracker(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
+                          experiment=cfg.trainer.experiment_name)
+        bs = cfg.data.train_batch_size
+        rng = random.Random(cfg.data.seed)
+        order: list[int] = []
+        metrics: dict[str, float] = {}
+        try:
+            for step in range(1, self.total_steps + 1):
+                if len(order) < bs:
+                    fresh = list(range(len(self.examples)))
+                    if cfg.data.shuffle:
+                        rng.shuffle(fresh)
+                    order += fresh
+                idx, order = order[:bs], order[bs:]
+                batch = sft_batch([self.examples[i] for i in idx], self.tokenizer.pad_token_id)
+                start = time.perf_counter()
+                result = group.dispatch("sft_step", batch)
+                metrics = result if isinstance(result, dict) else {
+                    k: sum(r[k] for r in result) / len(result) for k in result[0]}
+                metrics["timing/step"] = time.perf_counter() - start
+                metrics["throughput/tokens_per_s"] = float(batch["attention_mask"].sum()) / metrics["timing/step"]
+                tracker.log(metrics, step)
+            group.call_all("export_hf", str(self.run_dir / "hf"))
+        finally:
+            tracker.close()
+            group.shutdown()
+            if owns_ray:
+                import ray
+
+                ray.shutdown()
+        return metrics
+
+

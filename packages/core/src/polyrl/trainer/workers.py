@@ -1,0 +1,141 @@
+"""Placement: which worker groups hold which roles, and the calls that span groups.
+
+``colocated`` (default): one group whose every rank holds the actor, the rollout
+and, when used, the reference and the critic (the hybrid engine; weights move
+in-process). ``split``: the rollout gets its own pool of
+``trainer.rollout_workers`` processes and weights travel from actor rank 0
+through Ray's object store. The ``local`` executor puts one rank of everything in
+the driver process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tensordict import TensorDict
+
+from polyrl.controller.distributed import free_port
+from polyrl.controller.worker import Worker
+from polyrl.controller.worker_group import LocalWorkerGroup, RayWorkerGroup, WorkerGroup
+from polyrl.manifest import Manifest
+from polyrl.protocols import SamplingParams
+
+
+@dataclass
+class RoleGroups:
+    """The worker group serving each role (several roles may share one group)."""
+
+    actor: WorkerGroup
+    rollout: WorkerGroup
+    ref: WorkerGroup | None
+    critic: WorkerGroup | None
+    colocated: bool
+    owns_ray: bool = False
+
+    def generate(self, samples: list[dict], sampling: SamplingParams) -> TensorDict:
+        """Generate for ``samples`` split over the rollout ranks, then free the rollout's memory."""
+        batch = self.rollout.dispatch("generate", samples, sampling=sampling)
+        self.rollout.call_all("sleep_rollout")
+        return batch
+
+    def sync_weights(self) -> None:
+        """Actor weights -> rollout (in-process when colocated, via the object store when split)."""
+        if self.colocated:
+            self.actor.call_all("sync_rollout_weights")
+        else:
+            buckets = next(b for b in self.actor.call_all("gather_weights") if b is not None)
+            self.rollout.call_all("load_rollout_weights", buckets)
+            self.rollout.call_all("sleep_rollout")
+
+    def save_checkpoint(self, path: str) -> None:
+        """Every group that trains something saves into ``path``."""
+        self.actor.call_all("save_checkpoint", path)
+        if self.critic is not None and self.critic is not self.actor:
+            self.critic.call_all("save_checkpoint", path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore every training group from ``path``."""
+        self.actor.call_all("load_checkpoint", path)
+        if self.critic is not None and self.critic is not self.actor:
+            self.critic.call_all("load_checkpoint", path)
+
+    def shutdown(self) -> None:
+        """Stop every group once."""
+        seen: set[int] = set()
+        for group in (self.actor, self.rollout, self.ref, self.critic):
+            if group is not None and id(group) not in seen:
+                seen.add(id(group))
+                group.shutdown()
+        if self.owns_ray:
+            import ray
+
+            ray.shutdown()
+
+
+def build_role_groups(config: Any, *, manifest: Manifest | None, use_ref: bool, use_critic: bool,
+                      run_dir: Path) -> RoleGroups:
+    """Start the worker groups the run's placement asks for."""
+    trainer = config.trainer
+    lora = config.actor.model.lora.rank > 0
+    train_roles = ["actor"] + (["ref"] if use_ref and not lora else []) + (["critic"] if use_critic else [])
+    if trainer.executor == "local":
+        group = LocalWorkerGroup(Worker, config=config, roles=train_roles + ["rollout"], manifest=manifest,
+                                 master_port=free_port())
+        return RoleGroups(group, group, group if use_ref else None, group if use_critic else None, True)
+    owns_ray = start_ray(config, run_dir)
+    resources = _resources(config)
+    if trainer.placement == "colocated":
+        group = RayWorkerGroup(Worker, trainer.n_workers, resources_per_worker=resources, config=config,
+                               roles=train_roles + ["rollout"], manifest=manifest, master_port=free_port(),
+                               name="colocated")
+        return RoleGroups(group, group, group if use_ref else None, group if use_critic else None, True, owns_ray)
+    if trainer.placement != "split":
+        from polyrl.errors import ConfigError
+
+        raise ConfigError(f"trainer.placement={trainer.placement!r}: choose 'colocated' or 'split'")
+    actor = RayWorkerGroup(Worker, trainer.n_workers, resources_per_worker=resources, config=config,
+                           roles=train_roles, manifest=manifest, master_port=free_port(), name="actor")
+    rollout = RayWorkerGroup(Worker, trainer.rollout_workers, resources_per_worker=resources, config=config,
+                             roles=["rollout"], manifest=manifest, master_port=free_port(), name="rollout")
+    return RoleGroups(actor, rollout, actor if use_ref else None, actor if use_critic else None, False, owns_ray)
+
+
+def _resources(config: Any) -> dict[str, float]:
+    from polyrl.platforms import detect_platform, get_platform
+
+    device = config.trainer.device
+    platform = detect_platform() if device == "auto" else get_platform(device)
+    bundle: dict[str, float] = {"CPU": 1}
+    if platform.ray_resource:
+        bundle[platform.ray_resource] = 1
+    return bundle
+
+
+def start_ray(config: Any, run_dir: Path) -> bool:
+    """Start Ray for this run (temporary files under the run directory); False if already running."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    temp_dir = run_dir / "ray"
+    if len(str(temp_dir)) > 60:  # Ray's unix socket paths must stay under ~107 characters
+        import tempfile
+
+        temp_dir = Path(tempfile.mkdtemp(prefix="polyrl-ray-"))
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    num_cpus = config.trainer.ray_num_cpus or max(os.cpu_count() or 1, config.trainer.n_workers + config.trainer.rollout_workers)
+    ray.init(
+        num_cpus=num_cpus,
+        _temp_dir=str(temp_dir),
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                                  "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"],
+                                  "TOKENIZERS_PARALLELISM": "false"}},
+    )
+    return True
