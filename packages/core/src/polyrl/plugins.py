@@ -32,6 +32,10 @@ ENTRY_POINT_GROUP = "polyrl"
 DEFAULT_PLUGINS: list[str] = [
     "polyrl.platforms.hooks",
     "polyrl.algorithms.hooks",
+    "polyrl.rollout.hooks",
+    "polyrl.agent_loops.hooks",
+    "polyrl.rewards.hooks",
+    "polyrl.data.hooks",
 ]
 
 

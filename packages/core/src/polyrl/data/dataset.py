@@ -1,0 +1,144 @@
+"""The RL dataset (chat-templated prompt ids) and a loader whose position survives a restart."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from polyrl.errors import DataError
+
+
+def load_rows(path: str | Path, plugins: Any = None) -> list[dict]:
+    """Rows of one data file, with the loader registered for its suffix (a folder: HF dataset)."""
+    from polyrl.plugins import get_plugin_manager
+
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data file {path} does not exist")
+    pm = plugins or get_plugin_manager()
+    key = "/" if path.is_dir() else path.suffix
+    for entry in pm.registry("dataset").entries():
+        if key in entry.metadata.get("suffixes", ()):
+            return list(entry.load()(path, config=None))
+    known = sorted({s for e in pm.registry("dataset").entries() for s in e.metadata.get("suffixes", ())})
+    raise DataError(f"data file {path}: no dataset loader for '{key}' files; known: {', '.join(known)}")
+
+
+def validate_row(row: Any, source: str, i: int) -> None:
+    """Raise ``DataError`` naming the file, row and key when ``row`` is not in verl's format."""
+    where = f"{source} row {i}"
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a row must be a mapping, got {type(row).__name__}")
+    prompt = row.get("prompt")
+    if prompt is None:
+        raise DataError(f"{where}: missing key 'prompt' (a list of chat messages); the row has {sorted(row)}")
+    if isinstance(prompt, str):
+        return
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise DataError(f"{where}: 'prompt' must be a non-empty list of chat messages or a string")
+    for j, msg in enumerate(prompt):
+        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+            raise DataError(f"{where}: prompt[{j}] must be a mapping with 'role' and 'content'")
+    rm = row.get("reward_model")
+    if rm is not None and not isinstance(rm, dict):
+        raise DataError(f"{where}: 'reward_model' must be a mapping with 'ground_truth'")
+
+
+class RLDataset:
+    """Prompts ready for generation: rows plus ``prompt_ids`` after the chat template.
+
+    ``truncation``: ``error`` (raise naming the row), ``left`` / ``right`` (cut the
+    prompt), ``filter`` (drop the row). ``stats`` counts what was filtered or truncated.
+    """
+
+    def __init__(self, files: Sequence[str | Path], tokenizer: Any, *, max_prompt_length: int,
+                 truncation: str = "error", chat_template: bool = True) -> None:
+        if truncation not in ("error", "left", "right", "filter"):
+            raise DataError(f"data.truncation={truncation!r}: choose error, left, right or filter")
+        self.rows: list[dict] = []
+        self.stats = {"rows": 0, "filtered": 0, "truncated": 0}
+        for file in files:
+            for i, row in enumerate(load_rows(file)):
+                validate_row(row, str(file), i)
+                ids = _prompt_ids(row["prompt"], tokenizer, chat_template)
+                self.stats["rows"] += 1
+                if len(ids) > max_prompt_length:
+                    if truncation == "error":
+                        raise DataError(
+                            f"{file} row {i}: prompt is {len(ids)} tokens, over data.max_prompt_length="
+                            f"{max_prompt_length}; raise it or set data.truncation to filter/left/right"
+                        )
+                    if truncation == "filter":
+                        self.stats["filtered"] += 1
+                        continue
+                    ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
+                    self.stats["truncated"] += 1
+                self.rows.append(dict(row, prompt_ids=ids))
+        if self.stats["filtered"] or self.stats["truncated"]:
+            print(f"[polyrl] data: {self.stats['filtered']} over-long prompts filtered, "
+                  f"{self.stats['truncated']} truncated (of {self.stats['rows']})", flush=True)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
+
+def _prompt_ids(prompt: Any, tokenizer: Any, chat_template: bool) -> list[int]:
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    text = "\n".join(m["content"] for m in prompt)
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+class RLDataLoader:
+    """Batches of rows (each with a fresh ``uid``) in a seeded order; ``state_dict`` records the position.
+
+    The order of epoch ``e`` depends only on ``seed`` and ``e``, so a loader restored
+    from ``state_dict()`` yields exactly the batches an uninterrupted one would.
+    """
+
+    def __init__(self, dataset: RLDataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = True) -> None:
+        self.dataset, self.batch_size, self.shuffle, self.seed, self.drop_last = dataset, batch_size, shuffle, seed, drop_last
+        self.epoch = 0
+        self.position = 0  # batches already yielded in this epoch
+
+    def __len__(self) -> int:
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(self.seed * 100_003 + epoch).shuffle(order)
+        return order
+
+    def __iter__(self) -> Iterator[list[dict]]:
+        """The rest of the current epoch; iterate again for the next one."""
+        if self.position >= len(self):
+            self.epoch, self.position = self.epoch + 1, 0
+        order = self._order(self.epoch)
+        while self.position < len(self):
+            start = self.position * self.batch_size
+            idx = order[start : start + self.batch_size]
+            self.position += 1
+            yield [dict(self.dataset[i], uid=f"{self.epoch}-{start + k}-{uuid.uuid4().hex[:8]}")
+                   for k, i in enumerate(idx)]
+
+    def state_dict(self) -> dict[str, int]:
+        """Epoch and batches consumed in it."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a :meth:`state_dict`."""
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

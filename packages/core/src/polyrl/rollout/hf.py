@@ -1,0 +1,162 @@
+"""``hf``: the embedded rollout, transformers generation on token ids with per-token log-probs.
+
+Slow next to vLLM on a GPU, but it needs nothing beyond transformers, runs
+anywhere, and is exact: it samples from the very model the trainer trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from polyrl.protocols import GenerationRequest, GenerationResult, RolloutCapabilities, SamplingParams
+
+
+class HFRollout:
+    """Batched sampling with a KV cache; log-probs under the temperature-scaled distribution.
+
+    The log-prob of a sampled token is taken from ``log_softmax(logits / T)`` before
+    top-p / top-k filtering (vLLM's default "raw" log-probs), which is what the
+    trainer recomputes. ``temperature=0`` is greedy (log-probs at ``T=1``).
+    """
+
+    capabilities = RolloutCapabilities(sleep=False, async_generate=False, log_probs=True)
+
+    def __init__(self, config: Any, *, model_path: str, tokenizer: Any, platform: Any = None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        self.tokenizer = tokenizer
+        self.device = platform.current_device() if platform is not None else torch.device("cpu")
+        dtype = getattr(torch, getattr(config, "dtype", "float32"))
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
+        self.max_model_len = getattr(config, "max_model_len", 0) or self.model.config.max_position_embeddings
+        self.max_batch_size = getattr(config, "max_batch_size", 64)
+        self.eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._params = dict(self.model.named_parameters())
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        for i, req in enumerate(requests):
+            total = len(req.prompt_ids) + req.sampling_params.max_new_tokens
+            if total > self.max_model_len:
+                raise ValueError(
+                    f"request {req.request_id or i}: prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
+                    f"({req.sampling_params.max_new_tokens}) = {total} exceeds the model length {self.max_model_len}"
+                )
+        expanded = [(req, k) for req in requests for k in range(req.sampling_params.n)]
+        results: list[GenerationResult] = []
+        # Requests with the same sampling params are generated together.
+        start = 0
+        while start < len(expanded):
+            params = expanded[start][0].sampling_params
+            end = start
+            while end < len(expanded) and end - start < self.max_batch_size and expanded[end][0].sampling_params == params:
+                end += 1
+            results += self._generate_batch(expanded[start:end], params)
+            start = end
+        return results
+
+    @torch.inference_mode()
+    def _generate_batch(self, items: list[tuple[GenerationRequest, int]], params: SamplingParams) -> list[GenerationResult]:
+        prompts = [list(req.prompt_ids) for req, _ in items]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**31, (1,))))
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        b = len(prompts)
+        out_tokens = torch.full((b, params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
+        out_logp = torch.zeros((b, params.max_new_tokens), dtype=torch.float32, device=self.device)
+        lengths = torch.zeros(b, dtype=torch.long, device=self.device)
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        stopped = torch.zeros(b, dtype=torch.bool, device=self.device)
+        position = (mask.cumsum(-1) - 1).clamp(min=0)
+        past = None
+        cur_ids, cur_pos, attn = ids, position, mask
+        stop_t = torch.tensor(sorted(stop), device=self.device) if stop else None
+        for t in range(params.max_new_tokens):
+            out = self.model(input_ids=cur_ids, attention_mask=attn, position_ids=cur_pos, past_key_values=past,
+                             use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[:, -1, :].float()
+            token, logp = _sample(logits, params, generator)
+            token = torch.where(done, torch.full_like(token, self.pad_id), token)
+            out_tokens[:, t] = token
+            out_logp[:, t] = torch.where(done, torch.zeros_like(logp), logp)
+            lengths += (~done).long()
+            hit = torch.isin(token, stop_t) & ~done if stop_t is not None else torch.zeros_like(done)
+            stopped |= hit
+            done |= hit
+            if bool(done.all()):
+                break
+            cur_ids = token.unsqueeze(-1)
+            cur_pos = cur_pos[:, -1:] + 1
+            attn = torch.cat([attn, (~done).long().unsqueeze(-1) | 1], dim=-1)
+        results = []
+        for i, (req, k) in enumerate(items):
+            n = int(lengths[i])
+            results.append(GenerationResult(
+                prompt_ids=prompts[i],
+                response_ids=out_tokens[i, :n].tolist(),
+                log_probs=out_logp[i, :n].tolist() if params.logprobs else [],
+                finish_reason="stop" if bool(stopped[i]) else "length",
+                request_id=req.request_id,
+                sample_index=k,
+            ))
+        return results
+
+    async def agenerate(self, request: GenerationRequest) -> list[GenerationResult]:
+        return await asyncio.to_thread(self.generate, [request])
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        staged = []
+        for name, tensor in named_tensors:
+            param = self._params.get(name)
+            if param is None:
+                raise KeyError(f"hf rollout: weight '{name}' matches no parameter of the model")
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"hf rollout: weight '{name}' has shape {tuple(tensor.shape)}, the model's is "
+                                 f"{tuple(param.shape)}")
+            staged.append((param, tensor))
+        with torch.no_grad():  # checked everything first: a bad bucket changes nothing
+            for param, tensor in staged:
+                param.copy_(tensor.to(param.device, param.dtype))
+
+    def sleep(self, level: int = 1) -> None:
+        """No-op: the HF model has no separate KV-cache pool to release."""
+
+    def wake_up(self) -> None:
+        """No-op."""
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return it and its log-prob before top-p/top-k filtering."""
+    if params.temperature <= 0:
+        token = logits.argmax(-1)
+        return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
+    scaled = logits / params.temperature
+    logp_full = torch.log_softmax(scaled, -1)
+    filtered = scaled
+    if params.top_k and params.top_k > 0:
+        kth = torch.topk(filtered, min(params.top_k, filtered.shape[-1]), dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(filtered, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, -1)
+        remove = probs.cumsum(-1) - probs > params.top_p
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(filtered, -1)
+    token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return token, logp_full.gather(-1, token[:, None]).squeeze(-1)
