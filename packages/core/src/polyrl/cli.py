@@ -1,0 +1,127 @@
+"""The ``polyrl`` command line: ``train``, ``sft``, ``export``, ``plot``, ``plugins``.
+
+Errors that a user can fix (:class:`polyrl.errors.PolyrlError`) print as one
+message on stderr with exit code 2; ``--traceback`` or ``POLYRL_DEBUG=1`` shows
+the traceback too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+from polyrl.__about__ import __version__
+from polyrl.errors import PolyrlError
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    """List every plugin that would load, its hooks and the names it registers."""
+    from polyrl.manifest import Manifest
+    from polyrl.plugins import PluginManager
+
+    manifest = Manifest.load(args.manifest) if args.manifest else None
+    pm = PluginManager(manifest)
+    info = pm.describe()
+    if args.json:
+        print(json.dumps({"manifest": args.manifest, "plugins": info}, indent=2))
+        return 0
+    print(f"polyrl {__version__}" + (f" — manifest {args.manifest}" if args.manifest else " — all installed plugins"))
+    for p in info:
+        dist = f"{p['distribution']} {p['version']}" if p["distribution"] else "(manifest module)"
+        print(f"\n{p['name']}  [{dist}]")
+        print(f"  hooks: {', '.join(p['hooks']) or '-'}")
+        for kind, names in p["registered"].items():
+            print(f"  {kind}: {', '.join(names)}")
+    return 0
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--manifest", "-m", help="plugin manifest (TOML); default: every installed plugin")
+    p.add_argument("--config", "-c", action="append", default=[], help="YAML config file (repeatable)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, dotted (trainer.total_steps=10)")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """RL post-training."""
+    from polyrl.trainer.commands import train
+
+    train(args.manifest, args.config, args.overrides)
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    """Supervised warm start."""
+    from polyrl.trainer.commands import sft
+
+    sft(args.manifest, args.config, args.overrides)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a checkpoint's actor as an HF folder."""
+    from polyrl.trainer.commands import export
+
+    out = export(args.checkpoint, args.to, args.manifest)
+    print(f"exported {args.checkpoint} to {out}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Draw a run's curves to PNG."""
+    from polyrl.trainer.commands import plot
+
+    print(plot(args.run_dir, args.out))
+    return 0
+
+
+#: verb -> (handler, help, argument adder)
+COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str, Callable[[argparse.ArgumentParser], None]]] = {
+    "train": (cmd_train, "RL post-training (PPO, GRPO and family)", _run_args),
+    "sft": (cmd_sft, "supervised fine-tuning with the same engines", _run_args),
+    "export": (cmd_export, "write a checkpoint as an HF folder", lambda p: (
+        p.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N"),
+        p.add_argument("--to", required=True, help="output folder"),
+        p.add_argument("--manifest", "-m", help="manifest (default: the run's manifest.lock.toml)"))),
+    "plot": (cmd_plot, "PNG curves of a run", lambda p: (
+        p.add_argument("run_dir"), p.add_argument("--out", help="PNG path (default RUN_DIR/curves.png)"))),
+    "plugins": (cmd_plugins, "list plugins, their hooks and registered names", lambda p: (
+        p.add_argument("--manifest", "-m", help="show what this manifest loads"),
+        p.add_argument("--json", action="store_true", help="machine-readable output"))),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser with one subcommand per verb in :data:`COMMANDS`."""
+    parser = argparse.ArgumentParser(prog="polyrl", description="RL post-training with plugins.")
+    parser.add_argument("--version", action="version", version=f"polyrl {__version__}")
+    parser.add_argument("--traceback", action="store_true", help="show tracebacks of polyrl errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (handler, help_text, add_args) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_args(p)
+        p.set_defaults(handler=handler)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``polyrl`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 1
+    try:
+        return args.handler(args)
+    except PolyrlError as exc:
+        if args.traceback or os.environ.get("POLYRL_DEBUG") == "1":
+            traceback.print_exc()
+        print(f"polyrl {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""The ``fsdp:`` block of a role (``actor.fsdp``, ``critic.fsdp``, ``ref.fsdp``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 options. Dtypes are torch names (``float32``, ``bfloat16``, ``float16``)."""
+
+    #: Compute dtype of the all-gathered parameters (mixed precision); storage stays ``model.dtype``.
+    param_dtype: str = "float32"
+    #: Dtype of gradient reduce-scatter.
+    reduce_dtype: str = "float32"
+    #: Keep sharded parameters (and gradients) on CPU; FSDP2 moves them in for compute.
+    param_offload: bool = False
+    #: Keep optimizer state on CPU between steps.
+    optimizer_offload: bool = False
+    #: Free the gathered parameters after forward (less memory, one more all-gather in backward).
+    reshard_after_forward: bool = True
+    #: What ``export_hf`` writes for a LoRA model: ``merged`` weights or the ``adapter`` alone.
+    lora_export: str = "merged"
