@@ -39,6 +39,9 @@ def main() -> None:
     parser.add_argument("--rollout", default="hf", choices=["hf", "vllm"])
     parser.add_argument("--sft-steps", type=int, default=None, help="override the SFT step count")
     parser.add_argument("--rl-steps", type=int, default=None, help="override the GRPO step count")
+    parser.add_argument("--max-operand", type=int, default=20, help="operands are drawn from 0..N")
+    parser.add_argument("--sft", action="append", default=[], metavar="KEY=VALUE", help="extra override for polyrl sft")
+    parser.add_argument("--rl", action="append", default=[], metavar="KEY=VALUE", help="extra override for polyrl train")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -55,7 +58,7 @@ def main() -> None:
 
     # 1. A tiny model and the task, built in code.
     make_tiny_model(run / "base", size="mini", seed=0)
-    rows = make_arithmetic_rows(2400, seed=0, max_operand=30, ops="+")
+    rows = make_arithmetic_rows(2400, seed=0, max_operand=args.max_operand, ops="+")
     held_out = {r["prompt"][-1]["content"] for r in rows[:200]}
     val, train = rows[:200], [r for r in rows[200:] if r["prompt"][-1]["content"] not in held_out]
     write_jsonl(val, run / "val.jsonl")
@@ -68,7 +71,7 @@ def main() -> None:
         f"model.path={run / 'base'}",
         f"data.train_files=[{run / 'sft.jsonl'}]",
         f"trainer.run_dir={run / 'sft'}",
-    ] + ([f"trainer.total_steps={args.sft_steps}"] if args.sft_steps else [])
+    ] + ([f"trainer.total_steps={args.sft_steps}"] if args.sft_steps else []) + args.sft
     polyrl("sft", "--manifest", str(HERE / "polyrl.toml"), "--config", str(HERE / "sft.yaml"), *sft_overrides)
 
     # 3. GRPO from the warmed-up model, validating before and after.
@@ -79,7 +82,7 @@ def main() -> None:
         f"data.val_files=[{run / 'val.jsonl'}]",
         f"trainer.run_dir={run / 'grpo'}",
         f"rollout.name={args.rollout}",
-    ] + ([f"trainer.total_steps={args.rl_steps}"] if args.rl_steps else [])
+    ] + ([f"trainer.total_steps={args.rl_steps}"] if args.rl_steps else []) + args.rl
     polyrl("train", "--manifest", str(manifest), "--config", str(HERE / "grpo.yaml"), *rl_overrides)
     polyrl("plot", str(run / "grpo"))
 

@@ -273,13 +273,16 @@ class Engine(Protocol):
         ...
 
     def infer_batch(
-        self, batch: TensorDict, *, temperature: float = 1.0, compute_entropy: bool = False
+        self, batch: TensorDict, *, temperature: float = 1.0, compute_entropy: bool = False,
+        disable_adapter: bool = False,
     ) -> TensorDict:
         """Forward without gradients.
 
         Returns a TensorDict of ``batch``'s size with ``log_probs`` (log-probability
         of each response token at ``temperature``) and, when asked, ``entropy``;
-        a value model returns ``values``. All ``[B, R]``.
+        a value model returns ``values``. All ``[B, R]``, zero where
+        ``response_mask`` is 0. ``disable_adapter=True`` computes with a LoRA
+        adapter switched off (the reference policy of a LoRA actor).
         """
         ...
 

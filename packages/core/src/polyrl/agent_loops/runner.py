@@ -83,14 +83,13 @@ def collate(outputs: Sequence[AgentLoopOutput], *, pad_token_id: int, max_prompt
             max_response_length: int) -> TensorDict:
     """A batch (field names of :mod:`polyrl.protocols`) from trajectories.
 
-    Prompts are left-padded to the longest prompt (at most ``max_prompt_length``,
-    keeping the end); responses right-padded to the longest response (at most
-    ``max_response_length``).
+    Prompts are left-padded to ``max_prompt_length`` (longer ones keep their end);
+    responses right-padded to ``max_response_length``. The fixed widths let batches
+    from different ranks concatenate; engines trim all-padding columns per micro-batch.
     """
     prompts = [list(o.prompt_ids)[-max_prompt_length:] for o in outputs]
     responses = [list(o.response_ids)[:max_response_length] for o in outputs]
-    p_len = max(1, max(len(p) for p in prompts))
-    r_len = max(1, max(len(r) for r in responses))
+    p_len, r_len = max_prompt_length, max_response_length
     b = len(outputs)
     prompt_t = torch.full((b, p_len), pad_token_id, dtype=torch.long)
     prompt_m = torch.zeros((b, p_len), dtype=torch.long)

@@ -32,7 +32,13 @@ def group_ids(index: Any, size: int) -> torch.Tensor:
 
 
 def group_stats(scores: torch.Tensor, gid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample group mean, unbiased std and group size; singleton groups get mean 0, std 1 (verl)."""
+    """Per-sample group mean, unbiased std and group size; singleton groups get mean 0, std 1 (verl).
+
+    Computed in float64 so a constant-reward group gets exactly zero deviation (in
+    float32 the rounding error of the mean, divided by ``std + eps``, is not zero).
+    """
+    dtype = scores.dtype
+    scores = scores.double()
     n_groups = int(gid.max()) + 1 if gid.numel() else 0
     counts = torch.bincount(gid, minlength=n_groups).to(scores.dtype)
     sums = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, gid, scores)
@@ -42,7 +48,7 @@ def group_stats(scores: torch.Tensor, gid: torch.Tensor) -> tuple[torch.Tensor, 
     single = counts == 1
     mean = torch.where(single, torch.zeros_like(mean), mean)
     std = torch.where(single, torch.ones_like(std), std)
-    return mean[gid], std[gid], counts[gid]
+    return mean[gid].to(dtype), std[gid].to(dtype), counts[gid].to(dtype)
 
 
 def _outcome(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -63,9 +69,10 @@ def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     scores = _outcome(token_level_rewards, response_mask)
     gid = group_ids(index, scores.shape[0])
     mean, std, _ = group_stats(scores, gid)
+    scores = scores.double()
     norm = norm_adv_by_std_in_grpo if norm_adv_by_std_in_grpo is not None else cfg_get(config, "norm_adv_by_std_in_grpo", True)
-    scores = (scores - mean) / (std + epsilon) if norm else scores - mean
-    return _tile(scores, response_mask)
+    scores = (scores - mean.double()) / (std.double() + epsilon) if norm else scores - mean.double()
+    return _tile(scores.to(token_level_rewards.dtype), response_mask)
 
 
 def compute_grpo_passk_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,

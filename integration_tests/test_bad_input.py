@@ -1,0 +1,44 @@
+"""Bad input to `polyrl train`: a raising reward function, malformed rows, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from polyrl.errors import DataError
+from polyrl.trainer.commands import train
+
+
+def test_raising_reward_function_gets_fallback_and_is_counted(base_overrides, manifest_file, tmp_path):
+    reward = tmp_path / "flaky_reward.py"
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if len(solution_str) % 2:\n"
+        "        raise RuntimeError('flaky reward')\n"
+        "    return 1.0\n"
+    )
+    train(manifest_file, [], base_overrides + ["trainer.executor=local", f"reward.function={reward}:compute_score",
+                                               "trainer.val_before_train=false"])
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    failures = [r.get("reward/failures", 0) for r in rows if "critic/score/mean" in r]
+    assert sum(failures) > 0
+
+
+def test_malformed_row_names_file_and_row(base_overrides, manifest_file, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "data_source": "arithmetic",
+                               "reward_model": {"ground_truth": "2"}}) + "\n" + json.dumps({"data_source": "x"}) + "\n")
+    with pytest.raises(DataError) as err:
+        train(manifest_file, [], base_overrides + [f"data.train_files=[{bad}]"])
+    assert "bad.jsonl" in str(err.value) and "1" in str(err.value) and "prompt" in str(err.value)
+
+
+def test_cli_unknown_key_exits_2_with_clean_message(base_overrides, manifest_file):
+    proc = subprocess.run([sys.executable, "-m", "polyrl", "train", "--manifest", str(manifest_file),
+                           *base_overrides, "trainer.totl_steps=1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Did you mean 'trainer.total_steps'" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,84 @@
+"""Agent loops: concurrent single-turn loops batch into one generate call; collation layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polyrl.agent_loops import BatchingClient, SingleTurnAgentLoop, collate, run_agent_loops
+from polyrl.protocols import AgentLoopOutput, GenerationResult, RolloutCapabilities, SamplingParams
+from polyrl.testing import AgentLoopConformance
+
+
+class CountingRollout:
+    """A real rollout wrapped to count generate calls."""
+
+    capabilities = RolloutCapabilities()
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def generate(self, requests):
+        self.calls.append(len(requests))
+        return self.inner.generate(requests)
+
+
+@pytest.fixture(scope="module")
+def rollout(tiny_model_dir, tiny_tokenizer):
+    from polyrl.config.roles import RolloutConfig
+    from polyrl.rollout.hf import HFRollout
+
+    return HFRollout(RolloutConfig(), model_path=str(tiny_model_dir), tokenizer=tiny_tokenizer)
+
+
+class TestSingleTurnConformance(AgentLoopConformance):
+    @pytest.fixture
+    def agent_loop(self, tiny_tokenizer):
+        return SingleTurnAgentLoop(tokenizer=tiny_tokenizer)
+
+    @pytest.fixture
+    def client(self, rollout):
+        return BatchingClient(rollout)
+
+
+def test_concurrent_loops_share_one_generate(rollout, tiny_tokenizer):
+    counting = CountingRollout(rollout)
+    samples = [{"prompt_ids": [5, 6, i], "uid": str(i)} for i in range(7)]
+    outs = run_agent_loops(samples, SamplingParams(max_new_tokens=3, seed=0), BatchingClient(counting, 64),
+                           {"single_turn": SingleTurnAgentLoop(tokenizer=tiny_tokenizer)})
+    assert counting.calls == [7]
+    assert [o.prompt_ids for o in outs] == [s["prompt_ids"] for s in samples]
+
+
+def test_unknown_agent_name_lists_loops(rollout, tiny_tokenizer):
+    with pytest.raises(KeyError, match="unknown agent loop 'tools'.*single_turn"):
+        run_agent_loops([{"prompt_ids": [1], "agent_name": "tools"}], SamplingParams(), BatchingClient(rollout),
+                        {"single_turn": SingleTurnAgentLoop(tokenizer=tiny_tokenizer)})
+
+
+def test_collate_layout():
+    outs = [AgentLoopOutput([1, 2, 3], [7, 8], [1, 0], [-0.5, 0.0]), AgentLoopOutput([4], [9, 9, 9], [1, 1, 1], [-1.0] * 3)]
+    b = collate(outs, pad_token_id=0, max_prompt_length=4, max_response_length=4)
+    assert b["prompts"].tolist() == [[0, 1, 2, 3], [0, 0, 0, 4]]
+    assert b["responses"].tolist() == [[7, 8, 0, 0], [9, 9, 9, 0]]
+    assert b["response_mask"].tolist() == [[1, 0, 0, 0], [1, 1, 1, 0]]
+    assert b["attention_mask"].tolist() == [[0, 1, 1, 1, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1, 1, 0]]
+    assert b["position_ids"][1].tolist() == [0, 0, 0, 0, 1, 2, 3, 3]
+    assert torch.equal(b["input_ids"], torch.cat([b["prompts"], b["responses"]], 1))
+    assert b["rollout_log_probs"][0].tolist() == [-0.5, 0.0, 0.0, 0.0]
+
+
+def test_batching_client_propagates_errors(tiny_tokenizer):
+    class Broken:
+        capabilities = RolloutCapabilities()
+
+        def generate(self, requests):
+            raise RuntimeError("backend down")
+
+    with pytest.raises(RuntimeError, match="backend down"):
+        run_agent_loops([{"prompt_ids": [1]}] * 2, SamplingParams(), BatchingClient(Broken()),
+                        {"single_turn": SingleTurnAgentLoop(tokenizer=tiny_tokenizer)})
+
+
+def test_result_type_is_protocols():
+    assert GenerationResult([1], [2], [0.0]).finish_reason == "stop"

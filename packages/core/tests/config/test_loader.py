@@ -1,0 +1,109 @@
+"""Config loading: YAML + overrides, unknown keys with did-you-mean, plugin blocks, errors naming the source."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from polyrl.config.loader import load_config, to_yaml
+from polyrl.config.schema import PolyrlConfig
+from polyrl.errors import ConfigError
+from polyrl.hookspecs import hookimpl
+from polyrl.plugins import PluginManager
+from polyrl.registry import PluginInfo
+
+
+@dataclass
+class FakeEngineOptions:
+    """A plugin's own config block."""
+
+    param_offload: bool = False
+    bucket_mb: int = 64
+
+
+class _SchemaPlugin:
+    @hookimpl
+    def register_config_schemas(self, register):
+        register("engine.fake", FakeEngineOptions)
+
+
+@pytest.fixture
+def pm() -> PluginManager:
+    manager = PluginManager(None, entry_points=False)
+    manager.add_plugin(_SchemaPlugin(), PluginInfo("schema-plugin"))
+    return manager
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_then_overrides_win(tmp_path, pm):
+    f = write(tmp_path, "model: {path: /m}\ndata: {train_batch_size: 8}\nrollout: {n: 2}\n")
+    cfg = load_config(PolyrlConfig, [f], ["rollout.n=5", "actor.optim.lr=0.5"], plugins=pm)
+    assert cfg.data.train_batch_size == 8
+    assert cfg.rollout.n == 5
+    assert cfg.actor.optim.lr == 0.5
+    # the top-level model block reaches the roles
+    assert cfg.actor.model.path == "/m" and cfg.critic.model.path == "/m"
+
+
+def test_unknown_key_names_file_and_suggests(tmp_path, pm):
+    f = write(tmp_path, "model: {path: /m}\ndata: {train_batch_sise: 8}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(PolyrlConfig, [f], plugins=pm)
+    msg = str(err.value)
+    assert "data.train_batch_sise" in msg and str(f) in msg and "Did you mean 'data.train_batch_size'" in msg
+
+
+def test_unknown_override_names_command_line(pm):
+    with pytest.raises(ConfigError, match=r"unknown config key 'trainer.totl_steps' \(from command line"):
+        load_config(PolyrlConfig, [], ["model.path=/m", "trainer.totl_steps=3"], plugins=pm)
+
+
+def test_wrong_type_names_key(tmp_path, pm):
+    f = write(tmp_path, "model: {path: /m}\nrollout: {n: many}\n")
+    with pytest.raises(ConfigError, match=r"rollout.n.*run.yaml"):
+        load_config(PolyrlConfig, [f], plugins=pm)
+
+
+def test_plugin_block_validated_against_registered_schema(tmp_path, pm):
+    f = write(tmp_path, "model: {path: /m}\nactor: {engine: fake, fake: {param_offload: true}}\n")
+    cfg = load_config(PolyrlConfig, [f], plugins=pm)
+    assert isinstance(cfg.actor.plugin_config, FakeEngineOptions)
+    assert cfg.actor.plugin_config.param_offload is True
+    f = write(tmp_path, "model: {path: /m}\nactor: {engine: fake, fake: {param_ofload: true}}\n")
+    with pytest.raises(ConfigError, match="Did you mean 'actor.fake.param_offload'"):
+        load_config(PolyrlConfig, [f], plugins=pm)
+
+
+def test_plugin_block_without_schema_is_an_error(tmp_path, pm):
+    f = write(tmp_path, "model: {path: /m}\nactor: {engine: nothere, nothere: {x: 1}}\n")
+    with pytest.raises(ConfigError, match="no loaded plugin registers config schema 'engine.nothere'"):
+        load_config(PolyrlConfig, [f], plugins=pm)
+
+
+def test_resolved_yaml_round_trips(tmp_path, pm):
+    f = write(tmp_path, "model: {path: /m}\nactor: {engine: fake, fake: {bucket_mb: 7}}\nrollout: {n: 3}\n")
+    cfg = load_config(PolyrlConfig, [f], plugins=pm)
+    again = load_config(PolyrlConfig, [write(tmp_path, to_yaml(cfg))], plugins=pm)
+    assert again.actor.plugin_config == cfg.actor.plugin_config
+    assert again.rollout.n == 3
+
+
+def test_missing_file_and_bad_yaml(tmp_path, pm):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(PolyrlConfig, [tmp_path / "nope.yaml"], plugins=pm)
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(PolyrlConfig, [write(tmp_path, "a: [1, 2\n")], plugins=pm)
+
+
+def test_configuration_reference_is_current():
+    from polyrl.config.reference import render
+
+    page = Path(__file__).resolve().parents[4] / "docs" / "configuration.md"
+    assert page.read_text() == render(), "docs/configuration.md is stale: python -m polyrl.config.reference > docs/configuration.md"

@@ -1,0 +1,72 @@
+"""Reward managers on real tokenized batches: scores on the last token, failures, DAPO overlong."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from polyrl.agent_loops import collate
+from polyrl.batch import set_non_tensor
+from polyrl.protocols import AgentLoopOutput
+from polyrl.rewards import BatchRewardManager, DAPORewardManager, NaiveRewardManager, RewardConfig
+
+
+def make_batch(tok, texts, truths):
+    outs = [AgentLoopOutput(prompt_ids=[1, 2], response_ids=tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id],
+                            response_mask=[1] * (len(tok(t, add_special_tokens=False)["input_ids"]) + 1)) for t in texts]
+    batch = collate(outs, pad_token_id=tok.pad_token_id, max_prompt_length=4, max_response_length=12)
+    set_non_tensor(batch, "data_source", ["arithmetic"] * len(texts))
+    set_non_tensor(batch, "ground_truth", truths)
+    set_non_tensor(batch, "extra_info", [{}] * len(texts))
+    return batch
+
+
+def test_naive_scores_last_valid_token(tiny_tokenizer):
+    from polyrl.rewards import default_compute_score
+
+    batch = make_batch(tiny_tokenizer, ["12", "7", "100"], ["12", "8", "100"])
+    out = NaiveRewardManager(tokenizer=tiny_tokenizer, compute_score=default_compute_score)(batch)
+    assert out.token_level_scores.sum(-1).tolist() == [1.0, 0.0, 1.0]
+    lengths = batch["response_mask"].sum(-1)
+    for i, n in enumerate(lengths.tolist()):
+        assert out.token_level_scores[i, n - 1] == out.token_level_scores[i].sum()
+    assert out.extra["acc"] == [1.0, 0.0, 1.0]
+    assert out.metrics["reward/failures"] == 0
+
+
+def test_raising_and_nan_functions_get_fallback_counted_and_logged_once(tiny_tokenizer, caplog):
+    calls = []
+
+    def flaky(data_source, solution_str, ground_truth, extra_info=None):
+        calls.append(solution_str)
+        if solution_str == "1":
+            raise RuntimeError("boom")
+        return math.nan if solution_str == "2" else 1.0
+
+    batch = make_batch(tiny_tokenizer, ["1", "2", "3", "1"], ["0"] * 4)
+    manager = NaiveRewardManager(tokenizer=tiny_tokenizer, compute_score=flaky, config=RewardConfig(fallback_score=-1.0))
+    with caplog.at_level(logging.WARNING, logger="polyrl.rewards"):
+        out = manager(batch)
+    assert out.token_level_scores.sum(-1).tolist() == [-1.0, -1.0, 1.0, -1.0]
+    assert out.metrics["reward/failures"] == 3
+    assert sum("RuntimeError: boom" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_batch_manager_calls_once(tiny_tokenizer):
+    seen = []
+
+    def batched(sources, texts, truths, infos):
+        seen.append(len(texts))
+        return [float(t == g) for t, g in zip(texts, truths)]
+
+    out = BatchRewardManager(tokenizer=tiny_tokenizer, compute_score=batched)(make_batch(tiny_tokenizer, ["4", "5"], ["4", "4"]))
+    assert seen == [2] and out.token_level_scores.sum(-1).tolist() == [1.0, 0.0]
+
+
+def test_dapo_overlong_penalty(tiny_tokenizer):
+    cfg = RewardConfig(overlong_buffer_enable=True, overlong_buffer_len=4, overlong_penalty_factor=1.0, max_response_length=8)
+    batch = make_batch(tiny_tokenizer, ["1", "1234567"], ["1", "0"])  # lengths 2 and 8 (with EOS)
+    out = DAPORewardManager(tokenizer=tiny_tokenizer, compute_score=lambda *a: 0.0, config=cfg)(batch)
+    assert torch.allclose(out.token_level_scores.sum(-1), torch.tensor([0.0, -1.0]))
