@@ -58,7 +58,7 @@ class _Head(nn.Module):
         # the token at response position t is predicted from position P - 1 + t
         h = hidden[:, -r - 1 : -1, :]
         if self.model_type == "value":
-            return {"values": head(hidden[:, -r:, :]).squeeze(-1).float()}
+            return {"values": head(hidden[:, -r:, :]).squeeze(-1).float().clone()}
         flat_h, flat_y = h.reshape(-1, h.shape[-1]), responses.reshape(-1)
         logps, ents = [], []
         for start in range(0, flat_h.shape[0], self.chunk):
@@ -70,9 +70,10 @@ class _Head(nn.Module):
                 lp, ent = _chunk_logprob(hs, ys, head.weight, head.bias, temperature, compute_entropy)
             logps.append(lp)
             ents.append(ent)
-        out = {"log_probs": torch.cat(logps).view(responses.shape)}
+        # clone: FSDP2 must not hand out views of its output (an in-place op would skip its backward hook)
+        out = {"log_probs": torch.cat(logps).view(responses.shape).clone()}
         if compute_entropy:
-            out["entropy"] = torch.cat(ents).view(responses.shape)
+            out["entropy"] = torch.cat(ents).view(responses.shape).clone()
         return out
 
 
