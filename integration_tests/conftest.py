@@ -36,10 +36,22 @@ def arithmetic_files(tmp_path_factory) -> dict[str, Path]:
     return {"train": root / "train.jsonl", "val": root / "val.jsonl"}
 
 
+@pytest.fixture(scope="session")
+def parity_reward(tmp_path_factory) -> Path:
+    """A reward with variance even for a random model (so advantages and gradients are non-zero)."""
+    path = tmp_path_factory.mktemp("reward") / "parity_reward.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': float(sum(map(ord, solution_str)) % 2), 'acc': 0.0}\n"
+    )
+    return path
+
+
 @pytest.fixture
-def base_overrides(tiny_model, arithmetic_files, tmp_path) -> list[str]:
+def base_overrides(tiny_model, arithmetic_files, parity_reward, tmp_path) -> list[str]:
     """A 2-step GRPO run of the tiny model, small enough for a test."""
     return [
+        f"reward.function={parity_reward}:compute_score",
         f"model.path={tiny_model}",
         f"data.train_files=[{arithmetic_files['train']}]",
         f"data.val_files=[{arithmetic_files['val']}]",

@@ -145,7 +145,8 @@ def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torc
     loss1, loss2 = (vpreds - returns).square(), (clipped - returns).square()
     loss = 0.5 * agg_loss(torch.maximum(loss1, loss2), response_mask, loss_agg_mode, loss_scale=loss_scale)
     clipfrac = masked_mean((loss2 > loss1).float(), response_mask)
-    return loss, {"critic/vf_clipfrac": float(clipfrac), "critic/vpred_mean": float(masked_mean(vpreds, response_mask))}
+    return loss, {"critic/vf_clipfrac": float(clipfrac),
+                  "critic/vpred_mean": float(masked_mean(vpreds.detach(), response_mask))}
 
 
 class FixedKLController:

@@ -192,8 +192,7 @@ class Worker:
 
         cfg = self.config.critic
         rows = cfg.ppo_mini_batch_size * self.config.rollout.n // self.world_size
-        metrics = _run_epochs(self.critic, batch, rows, cfg.ppo_epochs, make_critic_loss(cfg), False, self.rank)
-        return {f"critic/{k}": v for k, v in metrics.items()}
+        return _run_epochs(self.critic, batch, rows, cfg.ppo_epochs, make_critic_loss(cfg), False, self.rank)
 
     def sft_step(self, batch: TensorDict) -> dict[str, float]:
         """One supervised optimizer step (``polyrl sft``)."""

@@ -63,8 +63,7 @@ def make_critic_loss(cfg: Any):
             out["values"], mb["returns"], mb["values"], mb["response_mask"], cfg.cliprange_value,
             cfg.loss_agg_mode, loss_scale=scale,
         )
-        return loss, {f"critic/{k}" if not k.startswith("critic/") else k: _float(v) for k, v in metrics.items()} | {
-            "critic/vf_loss": _float(loss)}
+        return loss, {**{k: _float(v) for k, v in metrics.items()}, "critic/vf_loss": _float(loss)}
 
     return critic_loss
 
