@@ -63,7 +63,7 @@ def main() -> None:
     val, train = rows[:200], [r for r in rows[200:] if r["prompt"][-1]["content"] not in held_out]
     write_jsonl(val, run / "val.jsonl")
     write_jsonl(train, run / "train.jsonl")
-    sft_rows = [dict(r, response=str(r["reward_model"]["ground_truth"])) for r in train[:600]]
+    sft_rows = [dict(r, response=str(r["reward_model"]["ground_truth"])) for r in train]
     write_jsonl(sft_rows, run / "sft.jsonl")
 
     # 2. Supervised warm start: a little, so the model is right sometimes and RL has a signal.

@@ -1,0 +1,1 @@
+"""polyrl-rollout-vllm: the vLLM rollout (registered as rollout ``vllm``)."""
