@@ -87,7 +87,7 @@ def main() -> None:
     polyrl("plot", str(run / "grpo"))
 
     # 4. Held-out accuracy before and after RL, from the run's own validation metrics.
-    key = "val/arithmetic/mean@1"
+    key = "val/arithmetic/mean@4"  # sampled accuracy at temperature 1, 4 samples per held-out prompt
     vals = [json.loads(line) for line in (run / "grpo" / "metrics.jsonl").read_text().splitlines() if key in line]
     before, after = vals[0][key], vals[-1][key]
     print(f"curves: {run / 'grpo' / 'curves.png'}; took {time.time() - started:.0f}s")
