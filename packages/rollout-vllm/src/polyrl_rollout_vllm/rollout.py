@@ -84,6 +84,7 @@ class VLLMRollout:
                 raise PolyrlError(f"vLLM cannot serve the model at {model_path}: {exc}") from exc
             raise
         self._param_shapes: dict[str, tuple[int, ...]] | None = None
+        self._staged: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ generation
     def _sampling(self, params: SamplingParams) -> Any:
@@ -121,6 +122,7 @@ class VLLMRollout:
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         self._check(requests)
+        self._load_staged()
         if self.llm is None:  # async mode: drive the async engine from this thread
             async def run_all():
                 return await asyncio.gather(*[self.agenerate(r) for r in requests])
@@ -135,9 +137,16 @@ class VLLMRollout:
     async def agenerate(self, request: GenerationRequest) -> list[GenerationResult]:
         self._check([request])
         if self.llm is not None:
-            return await asyncio.to_thread(self.generate, [request])
+            # vllm.LLM is not thread-safe: concurrent calls are batched into one generate() instead
+            loop = asyncio.get_running_loop()
+            if getattr(self, "_batcher_loop", None) is not loop:
+                from polyrl.agent_loops import BatchingClient
+
+                self._batcher, self._batcher_loop = BatchingClient(self, self.vcfg.max_num_seqs), loop
+            return await self._batcher.agenerate(request)
         from vllm.inputs import TokensPrompt
 
+        self._load_staged()
         future = asyncio.run_coroutine_threadsafe(
             self._async_generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
                                  self._sampling(request.sampling_params)), self._loop)
@@ -198,8 +207,17 @@ class VLLMRollout:
             if tuple(tensor.shape) != shapes[name]:
                 raise ValueError(f"vllm rollout: weight '{name}' has shape {tuple(tensor.shape)}, the model's is "
                                  f"{shapes[name]}")
+        # Staged until the next generation: vLLM fuses q/k/v (and gate/up) into one parameter, and a
+        # reload that sees only some parts of a fused parameter (a bucket boundary between q_proj and
+        # k_proj) corrupts it, so every bucket of one sync is loaded in a single reload.
+        for name, tensor in tensors:
+            self._staged[name] = tensor.detach().to("cpu" if self.on_cpu else tensor.device)
+
+    def _load_staged(self) -> None:
+        if not self._staged:
+            return
+        weights, self._staged = list(self._staged.items()), {}
         runner = self._model_runner()
-        weights = [(n, t.detach().to("cpu" if self.on_cpu else t.device)) for n, t in tensors]
         if hasattr(runner, "reload_weights"):
             runner.reload_weights(weights_iterator=iter(weights))
         else:
