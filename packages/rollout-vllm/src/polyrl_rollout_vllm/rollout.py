@@ -6,6 +6,7 @@ vLLM is imported here, when a run builds the rollout, never when polyrl loads th
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import threading
 import uuid
@@ -87,11 +88,14 @@ class VLLMRollout:
         self._staged: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ generation
-    def _sampling(self, params: SamplingParams) -> Any:
+    def _sampling(self, params: SamplingParams, offset: int = 0) -> Any:
+        """vLLM sampling params. A seeded request gets ``seed + offset``: repeats of one prompt (GRPO's
+        group, sent as separate requests) must not share a random stream, or they sample the same text."""
         kw: dict[str, Any] = dict(
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0,
             max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids) or None,
-            ignore_eos=params.ignore_eos, logprobs=0 if params.logprobs else None, seed=params.seed,
+            ignore_eos=params.ignore_eos, logprobs=0 if params.logprobs else None,
+            seed=None if params.seed is None else params.seed + 7919 * offset,
         )
         return self._vllm.SamplingParams(**kw)
 
@@ -131,7 +135,8 @@ class VLLMRollout:
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
-        outputs = self.llm.generate(prompts, [self._sampling(r.sampling_params) for r in requests], use_tqdm=False)
+        outputs = self.llm.generate(prompts, [self._sampling(r.sampling_params, i) for i, r in enumerate(requests)],
+                                    use_tqdm=False)
         return [res for req, out in zip(requests, outputs) for res in self._results(req, out)]
 
     async def agenerate(self, request: GenerationRequest) -> list[GenerationResult]:
@@ -149,7 +154,7 @@ class VLLMRollout:
         self._load_staged()
         future = asyncio.run_coroutine_threadsafe(
             self._async_generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
-                                 self._sampling(request.sampling_params)), self._loop)
+                                 self._sampling(request.sampling_params, next(self._async_counter))), self._loop)
         final = await asyncio.wrap_future(future)
         return self._results(request, final)
 
@@ -158,6 +163,7 @@ class VLLMRollout:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self._async_counter = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="polyrl-vllm-async", daemon=True)
         self._thread.start()
