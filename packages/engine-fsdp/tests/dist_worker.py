@@ -14,7 +14,7 @@ def batch(seed: int = 0, rows: int = 8):
 
     g = torch.Generator().manual_seed(seed)
     outs = []
-    for i in range(rows):
+    for _ in range(rows):
         p = int(torch.randint(2, 9, (1,), generator=g))
         r = int(torch.randint(1, 10, (1,), generator=g))
         outs.append(AgentLoopOutput(prompt_ids=torch.randint(5, 200, (p,), generator=g).tolist(),

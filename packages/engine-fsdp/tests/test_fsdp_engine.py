@@ -106,7 +106,7 @@ def test_value_model_trains(model_dir):
     from polyrl.config.roles import EngineRoleConfig, ModelConfig, OptimConfig
     from polyrl_engine_fsdp.engine import FSDPEngine
 
-    critic = FSDPEngine(EngineRoleConfig(model=ModelConfig(path=str(model_dir)), optim=OptimConfig(lr=5e-2)),
+    critic = FSDPEngine(EngineRoleConfig(model=ModelConfig(path=str(model_dir)), optim=OptimConfig(lr=1e-2)),
                         role="critic", model_type="value")
     b = batch(seed=2)
     b["returns"] = torch.ones(8, 10)

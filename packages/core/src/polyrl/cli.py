@@ -19,7 +19,7 @@ from polyrl.errors import PolyrlError
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    """List every plugin that would load, its hooks and the names it registers."""
+    """List every plugin that would load, its hooks and the names it registers, by kind."""
     from polyrl.manifest import Manifest
     from polyrl.plugins import PluginManager
 
@@ -27,16 +27,37 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     pm = PluginManager(manifest)
     info = pm.describe()
     if args.json:
-        print(json.dumps({"manifest": args.manifest, "plugins": info}, indent=2))
+        doc = {"polyrl_version": __version__, "manifest": args.manifest, "plugins": info}
+        print(json.dumps(doc, indent=2, sort_keys=False))
         return 0
-    print(f"polyrl {__version__}" + (f" — manifest {args.manifest}" if args.manifest else " — all installed plugins"))
-    for p in info:
-        dist = f"{p['distribution']} {p['version']}" if p["distribution"] else "(manifest module)"
-        print(f"\n{p['name']}  [{dist}]")
-        print(f"  hooks: {', '.join(p['hooks']) or '-'}")
-        for kind, names in p["registered"].items():
-            print(f"  {kind}: {', '.join(names)}")
+    print(format_plugins(info, manifest=args.manifest, verbose=args.verbose))
     return 0
+
+
+def format_plugins(info: list[dict], *, manifest: str | None = None, verbose: bool = False) -> str:
+    """The human-readable listing of :meth:`polyrl.plugins.PluginManager.describe`."""
+    source = f"manifest {manifest}" if manifest else "every installed plugin (no manifest)"
+    lines = [f"polyrl {__version__}: {len(info)} plugins from {source}"]
+    for p in info:
+        if p["distribution"] == "polyrl":
+            origin = f"polyrl {p['version']}, built-in"
+        elif p["distribution"]:
+            origin = f"{p['distribution']} {p['version']}, entry point {p['module']}"
+        else:
+            origin = "manifest modules entry"
+        lines += ["", f"{p['name']}  ({origin})", f"  hooks: {', '.join(p['hooks']) or '-'}"]
+        width = max((len(k) for k in p["entries"]), default=0)
+        for kind, entries in p["entries"].items():
+            if verbose:
+                lines.append(f"  {kind}:")
+                for e in entries:
+                    alias = f" (aliases: {', '.join(e['aliases'])})" if e["aliases"] else ""
+                    desc = f"  {e['description']}" if e["description"] else ""
+                    lines.append(f"    {e['name']}{alias} -> {e['target']}{desc}")
+            else:
+                shown = [e["name"] + (f" ({', '.join(e['aliases'])})" if e["aliases"] else "") for e in entries]
+                lines.append(f"  {kind + ':':<{width + 1}} {', '.join(shown)}")
+    return "\n".join(lines)
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
@@ -89,8 +110,10 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str, Callable[[ar
     "plot": (cmd_plot, "PNG curves of a run", lambda p: (
         p.add_argument("run_dir"), p.add_argument("--out", help="PNG path (default RUN_DIR/curves.png)"))),
     "plugins": (cmd_plugins, "list plugins, their hooks and registered names", lambda p: (
-        p.add_argument("--manifest", "-m", help="show what this manifest loads"),
-        p.add_argument("--json", action="store_true", help="machine-readable output"))),
+        p.add_argument("--manifest", "-m", help="show what this manifest loads (default: every installed plugin)"),
+        p.add_argument("--json", action="store_true", help="machine-readable output (PluginManager.describe())"),
+        p.add_argument("--verbose", "-v", action="store_true", help="one line per name: target and description"))),
+    # A new verb is one function `cmd_NAME(args) -> int` and one line here.
 }
 
 
@@ -103,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (handler, help_text, add_args) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_args(p)
+        # accepted after the verb too; SUPPRESS keeps a flag given before the verb
+        p.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         p.set_defaults(handler=handler)
     return parser
 

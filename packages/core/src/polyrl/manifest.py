@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import difflib
 import importlib.metadata
-import tomllib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import tomllib
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
@@ -47,7 +47,11 @@ class Manifest:
         try:
             text = path.read_text()
         except FileNotFoundError:
-            raise ManifestError(f"manifest {path} does not exist") from None
+            raise ManifestError(
+                f"manifest {path} does not exist; pass the path of a TOML file with a [plugins] table"
+            ) from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"manifest {path} cannot be read: {exc}") from None
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
@@ -60,6 +64,11 @@ class Manifest:
         where = source or "<manifest>"
         for key, value in data.items():
             if key not in _SECTION_KEYS:
+                if key in _SECTION_KEYS["plugins"]:
+                    raise ManifestError(
+                        f"manifest {where}: key '{key}' must be inside the [plugins] table; "
+                        "add a '[plugins]' line above it"
+                    )
                 raise ManifestError(_unknown_key(where, key, _SECTION_KEYS))
             if not isinstance(value, Mapping):
                 raise ManifestError(f"manifest {where}: [{key}] must be a table")
@@ -86,6 +95,8 @@ class Manifest:
         found = {}
         for text in self.require:
             req = Requirement(text)
+            if req.marker is not None and not req.marker.evaluate():
+                continue  # e.g. '; sys_platform == "linux"' on another platform
             try:
                 version = importlib.metadata.version(req.name)
             except importlib.metadata.PackageNotFoundError:
@@ -102,8 +113,9 @@ class Manifest:
         return found
 
     def required_distributions(self) -> set[str]:
-        """Canonical names of the required distributions."""
-        return {canonicalize_name(Requirement(r).name) for r in self.require}
+        """Canonical names of the required distributions (those whose environment marker applies)."""
+        reqs = [Requirement(r) for r in self.require]
+        return {canonicalize_name(r.name) for r in reqs if r.marker is None or r.marker.evaluate()}
 
     def is_blocked(self, *names: str | None) -> bool:
         """Whether any of ``names`` (entry-point name, distribution, module) is blocked."""
@@ -114,9 +126,14 @@ class Manifest:
     def resolved(self) -> dict[str, Any]:
         """The manifest with exact installed versions (``==``), as written into a run directory."""
         versions = self.check_requirements()
+        extras = {canonicalize_name(r.name): sorted(r.extras) for r in map(Requirement, self.require)}
+        pinned = [
+            name + (f"[{','.join(extras[name])}]" if extras.get(name) else "") + f"=={version}"
+            for name, version in sorted(versions.items())
+        ]
         return {
             "plugins": {
-                "require": [f"{name}=={version}" for name, version in sorted(versions.items())],
+                "require": pinned,
                 "modules": list(self.modules),
                 "block": list(self.block),
             }

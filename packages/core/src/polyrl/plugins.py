@@ -68,8 +68,12 @@ class PluginManager:
         if entry_points:
             self._load_entry_points()
         for module_name in manifest.modules if manifest is not None else ():
+            if manifest.is_blocked(module_name):
+                continue
             where = f"manifest {manifest.source or '<manifest>'} plugins.modules entry '{module_name}'"
             module = _import_plugin_module(module_name, where)
+            if self.pm.is_registered(module):
+                continue  # already loaded through an entry point or as a built-in
             self.add_plugin(module, PluginInfo(module_name, None, None, module_name))
 
     # ------------------------------------------------------------------ loading
@@ -98,8 +102,24 @@ class PluginManager:
     def add_plugin(self, plugin: ModuleType | object, info: PluginInfo) -> None:
         """Register ``plugin`` (a hooks module or object) and collect its registrations."""
         if info.name in self.plugins:
-            raise PluginLoadError(f"{info.describe()} is loaded twice")
-        self.pm.register(plugin, name=info.name)
+            raise PluginLoadError(
+                f"{info.describe()} is loaded twice. Give it another name, or remove the first one "
+                "(PluginManager.remove_plugin) before adding it again."
+            )
+        try:
+            self.pm.register(plugin, name=info.name)
+        except pluggy.PluginValidationError as exc:
+            # e.g. a hook implementation whose argument is not one the hook offers: `def register_tools(reg)`
+            raise PluginLoadError(
+                f"{info.describe()} has an invalid hook implementation: {exc}. A hook implementation may only "
+                "take arguments the hook offers (every registration hook offers 'register')."
+            ) from None
+        except ValueError as exc:  # pluggy: the same module/object registered under another name
+            other = self.pm.get_name(plugin)
+            raise PluginLoadError(
+                f"{info.describe()} is already loaded as plugin '{other}' ({exc}); a hooks module loads once. "
+                "Remove the duplicate entry point or manifest modules entry."
+            ) from None
         try:
             self.pm.check_pending()
         except pluggy.PluginValidationError as exc:
@@ -134,6 +154,8 @@ class PluginManager:
 
                 def register(name: str, obj: Any, _registry: Registry = registry, **metadata: Any) -> None:
                     _registry.register(name, obj, plugin=info, **metadata)
+                    if self._trace:
+                        print(f"[polyrl hooks]   register({_registry.kind} {name!r})", file=sys.stderr)
 
                 if self._trace:
                     print(f"[polyrl hooks] {hook_name}() -> {info.name}", file=sys.stderr)
@@ -175,14 +197,29 @@ class PluginManager:
         return sorted(hc.name for hc in self.pm.get_hookcallers(plugin) or [])
 
     def describe(self) -> list[dict[str, Any]]:
-        """Every plugin with its distribution, version, hooks and registered names by kind."""
+        """Every plugin with its distribution, version, hooks and registered names by kind.
+
+        Each item: ``name``, ``distribution``, ``version``, ``module``, ``hooks`` (sorted hook
+        names), ``registered`` (``{kind: [name, ...]}``) and ``entries`` (``{kind: [{name, target,
+        aliases, description}]}``), plugins in load order. ``polyrl plugins --json`` prints it.
+        """
         out = []
         for name, info in self.plugins.items():
             names: dict[str, list[str]] = {}
+            entries: dict[str, list[dict[str, Any]]] = {}
             for kind, registry in self.registries.items():
-                mine = [e.name for e in registry.entries() if e.plugin.name == name]
+                mine = [e for e in registry.entries() if e.plugin.name == name]
                 if mine:
-                    names[kind] = mine
+                    names[kind] = [e.name for e in mine]
+                    entries[kind] = [
+                        {
+                            "name": e.name,
+                            "target": e.target_name,
+                            "aliases": list(e.metadata.get("aliases", [])),
+                            "description": e.metadata.get("description"),
+                        }
+                        for e in mine
+                    ]
             out.append(
                 {
                     "name": name,
@@ -191,6 +228,7 @@ class PluginManager:
                     "module": info.module,
                     "hooks": self.hooks_of(name),
                     "registered": names,
+                    "entries": entries,
                 }
             )
         return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -115,6 +116,11 @@ def resolve_import_string(spec: str, entry: Entry | None = None) -> Any:
             f"import string '{spec}'{where}: module '{module_name}' does not import: {exc}. "
             "Install the package that provides it, or fix the string."
         ) from exc
+    except Exception as exc:  # the module exists but raised while importing: show where
+        raise RegistryError(
+            f"import string '{spec}'{where}: module '{module_name}' raised while importing:\n"
+            f"{traceback.format_exc()}"
+        ) from exc
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)
@@ -137,7 +143,15 @@ class Registry:
         """Add ``name``; its ``aliases`` metadata adds other names for the same entry."""
         if not isinstance(name, str) or not name:
             raise RegistryError(f"{plugin.describe()} registered a {self.kind} with an invalid name {name!r}")
-        aliases = list(metadata.get("aliases", ()))
+        aliases = metadata.get("aliases") or ()
+        aliases = [aliases] if isinstance(aliases, str) else list(aliases)
+        if not all(isinstance(a, str) and a for a in aliases):
+            raise RegistryError(
+                f"{plugin.describe()} registered {self.kind} '{name}' with invalid aliases {aliases!r}: "
+                "aliases must be a list of non-empty strings"
+            )
+        if "aliases" in metadata:
+            metadata["aliases"] = aliases
         for key in (name, *aliases):
             existing = self._find(key)
             if existing is not None:

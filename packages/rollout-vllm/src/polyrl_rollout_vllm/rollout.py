@@ -186,10 +186,7 @@ class VLLMRollout:
     # ------------------------------------------------------------------ weights
     def _model_runner(self) -> Any:
         """The in-process model runner (V1 engine, no multiprocessing)."""
-        if self.llm is not None:
-            core = self.llm.llm_engine.engine_core
-        else:
-            core = self.engine.engine_core
+        core = self.llm.llm_engine.engine_core if self.llm is not None else self.engine.engine_core
         core = getattr(core, "engine_core", core)
         worker = core.model_executor.driver_worker
         worker = getattr(worker, "worker", worker)

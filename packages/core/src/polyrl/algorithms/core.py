@@ -1,4 +1,4 @@
-"""Masked reductions, loss aggregation and KL estimators shared by every estimator and loss."""
+"""Masked reductions, loss aggregation, KL estimators and controllers shared by every estimator and loss."""
 
 from __future__ import annotations
 
@@ -10,31 +10,40 @@ import torch
 from polyrl.protocols import LossScale
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
 def cfg_get(config: Any, key: str, default: Any = None) -> Any:
-    """Read ``key`` from an object or a mapping (verl passes both), with a default."""
+    """Read ``key`` from an object or a mapping (verl passes both); ``default`` when missing or None."""
     if config is None:
         return default
-    if isinstance(config, Mapping):
-        value = config.get(key, default)
-    else:
-        value = getattr(config, key, default)
+    value = config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
     return default if value is None else value
 
 
-def check_same_shape(**tensors: torch.Tensor) -> None:
-    """Raise ``ValueError`` naming the arguments whose shapes differ."""
+def check_same_shape(**tensors: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` naming every argument and its shape when the shapes differ (None is skipped)."""
     shapes = {k: tuple(v.shape) for k, v in tensors.items() if v is not None}
     if len(set(shapes.values())) > 1:
-        raise ValueError(f"shape mismatch: {', '.join(f'{k}={s}' for k, s in shapes.items())}")
+        raise ValueError("shape mismatch: " + ", ".join(f"{k}={s}" for k, s in shapes.items())
+                         + "; these must all be [batch, response_length]")
 
 
-def check_finite(name: str, value: torch.Tensor) -> None:
-    """Raise ``ValueError`` when ``value`` holds NaN or inf (never a silent NaN loss)."""
-    if not torch.isfinite(value).all():
-        bad = int((~torch.isfinite(value)).sum())
-        raise ValueError(f"{name} holds {bad} NaN/inf values; fix the reward function or its fallback score")
+def check_finite(name: str, value: torch.Tensor, where: torch.Tensor | None = None) -> None:
+    """Raise ``ValueError`` naming ``name`` when it holds NaN or inf (only where ``where`` is set, if given)."""
+    bad = ~torch.isfinite(value)
+    if where is not None:
+        bad = bad & where.bool()
+    n_bad = int(bad.sum())
+    if n_bad:
+        raise ValueError(f"{name} holds {n_bad} NaN/inf values; polyrl never turns them into a silent NaN loss "
+                         "(a failing reward function should return the reward manager's fallback score)")
+
+
+def check_nonempty_mask(name: str, mask: torch.Tensor) -> None:
+    """Raise ``ValueError`` when ``mask`` selects no token at all."""
+    if not bool((mask != 0).any()):
+        raise ValueError(f"{name} is all zero: no response token to compute on (check how {name} was built)")
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -43,13 +52,13 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of ``values`` where ``mask`` is set (0 for an empty mask, not NaN)."""
+    """Mean of ``values`` where ``mask`` is set; 0 (not NaN) for an empty mask."""
     total = mask.sum() if dim is None else mask.sum(dim)
     return masked_sum(values, mask, dim) / total.clamp(min=1)
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance over the masked entries (Bessel-corrected like verl)."""
+    """Variance over the masked entries, Bessel-corrected like verl (no correction for a single entry)."""
     mean = masked_mean(values, mask)
     var = masked_mean((values - mean) ** 2, mask)
     count = mask.sum()
@@ -59,55 +68,65 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """Normalise to zero mean / unit variance over the masked entries."""
+    """Normalise to zero mean and unit variance over the masked entries (``rsqrt(var + 1e-8)``, as verl)."""
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
 
 
 def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str = "token-mean", *,
-             loss_scale: LossScale | None = None) -> torch.Tensor:
-    """Aggregate a ``[B, T]`` loss matrix to a scalar (verl's ``agg_loss``).
+             loss_scale: LossScale | None = None, loss_scale_factor: float | None = None) -> torch.Tensor:
+    """Aggregate a ``[B, R]`` loss matrix to a scalar (verl's ``agg_loss``).
 
-    With ``loss_scale`` the normalisers are the mini-batch's global counts, so the
-    sum of micro-batch losses equals the mini-batch loss, and the ``dp_size``
-    factor undoes the gradient averaging over data-parallel ranks.
+    Without ``loss_scale`` the normalisers are local: ``token-mean`` divides by the
+    number of masked tokens, ``seq-mean-*`` by the number of sequences that have at
+    least one token. With ``loss_scale`` they are the mini-batch's global counts
+    (``batch_num_tokens`` tokens, ``global_batch_size`` sequences) times
+    ``dp_size``, so the sum of micro-batch losses is exactly the mini-batch loss
+    and averaging gradients over data-parallel ranks stays exact.
+    ``seq-mean-token-sum-norm`` divides each sequence's token sum by
+    ``loss_scale_factor`` (a constant such as the maximum response length;
+    default ``R``, the width of ``loss_mat``).
     """
     check_same_shape(loss_mat=loss_mat, loss_mask=loss_mask)
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is unknown; choose from {', '.join(LOSS_AGG_MODES)}")
     mask = loss_mask.to(loss_mat.dtype)
     dp = loss_scale.dp_size if loss_scale is not None else 1
     if loss_agg_mode == "token-mean":
-        tokens = loss_scale.batch_num_tokens if loss_scale and loss_scale.batch_num_tokens else None
-        denom = torch.as_tensor(tokens, dtype=loss_mat.dtype) if tokens else mask.sum().clamp(min=1)
-        return (loss_mat * mask).sum() / denom * dp
-    seqs = loss_scale.global_batch_size if loss_scale and loss_scale.global_batch_size else None
+        tokens = loss_scale.batch_num_tokens if loss_scale is not None else None
+        if tokens is None:
+            return masked_sum(loss_mat, mask) / mask.sum().clamp(min=1)
+        if tokens <= 0:
+            raise ValueError(f"loss_scale.batch_num_tokens={tokens}: the mini-batch has no response token")
+        return masked_sum(loss_mat, mask) / tokens * dp
+    token_sum = masked_sum(loss_mat, mask, -1)
     if loss_agg_mode == "seq-mean-token-sum":
-        per_seq = (loss_mat * mask).sum(-1)
+        per_seq = token_sum
     elif loss_agg_mode == "seq-mean-token-mean":
-        per_seq = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-    elif loss_agg_mode == "seq-mean-token-sum-norm":
-        # Dr.GRPO: a constant normaliser (the response length budget), not the sample's own length.
-        per_seq = (loss_mat * mask).sum(-1) / loss_mat.shape[-1]
-    else:
-        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is unknown; choose from {', '.join(LOSS_AGG_MODES)}")
-    if seqs:
-        return per_seq.sum() / seqs * dp
-    # Only sequences with at least one trained token count (an all-masked row is padding).
-    valid = (mask.sum(-1) > 0).to(loss_mat.dtype)
-    return (per_seq * valid).sum() / valid.sum().clamp(min=1)
-
-
-KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+        per_seq = token_sum / mask.sum(-1).clamp(min=1)
+    else:  # seq-mean-token-sum-norm (Dr.GRPO): a constant normaliser, not the sample's own length
+        per_seq = token_sum / (loss_scale_factor or loss_mat.shape[-1])
+    seqs = loss_scale.global_batch_size if loss_scale is not None else None
+    if seqs is None:
+        valid = (mask.sum(-1) > 0).to(loss_mat.dtype)  # an all-masked row is padding, not a sequence
+        return (per_seq * valid).sum() / valid.sum().clamp(min=1)
+    if seqs <= 0:
+        raise ValueError(f"loss_scale.global_batch_size={seqs}: the mini-batch has no sequence")
+    return per_seq.sum() / seqs * dp
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str = "kl") -> torch.Tensor:
     """Per-token KL estimate between the policy and the reference (verl's names).
 
-    ``kl``/``k1``: ``logp - ref``; ``abs``; ``mse``/``k2``: ``0.5 (logp - ref)^2``;
-    ``low_var_kl``/``k3``: ``exp(ref - logp) - (ref - logp) - 1`` clamped to [-10, 10].
-    A ``+`` suffix (``k3+``) uses the straight-through trick: the value of the
-    estimator with the gradient of ``k2`` (unbiased gradient, low-variance value).
+    ``kl``/``k1``: ``logp - ref``; ``abs``: ``|logp - ref|``; ``mse``/``k2``:
+    ``0.5 (logp - ref)^2``; ``low_var_kl``/``k3``: ``exp(ref - logp) - (ref - logp) - 1``
+    with the log-ratio clamped to [-20, 20] and the result to [-10, 10]. A ``+``
+    suffix (``k3+``) is the straight-through estimator: the value of the named
+    estimator with the gradient of ``k2`` (an unbiased gradient of KL).
     """
+    if not isinstance(kl_penalty, str):
+        raise ValueError(f"kl_penalty must be a name such as 'low_var_kl', got {kl_penalty!r}")
     if kl_penalty.endswith("+"):
         value = kl_penalty_forward(logprob, ref_logprob, kl_penalty[:-1])
         grad = kl_penalty_forward(logprob, ref_logprob, "k2")
@@ -115,8 +134,11 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
     return kl_penalty_forward(logprob, ref_logprob, kl_penalty)
 
 
+_kl_estimate = kl_penalty  # apply_kl_penalty's argument ``kl_penalty`` (verl's name) shadows the function
+
+
 def kl_penalty_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
-    """The plain estimators of :func:`kl_penalty`."""
+    """The plain estimators of :func:`kl_penalty` (no ``+`` suffix)."""
     check_same_shape(logprob=logprob, ref_logprob=ref_logprob)
     if kind in ("kl", "k1"):
         return logprob - ref_logprob
@@ -125,13 +147,15 @@ def kl_penalty_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: s
     if kind in ("mse", "k2"):
         return 0.5 * (logprob - ref_logprob).square()
     if kind in ("low_var_kl", "k3"):
-        kl = (ref_logprob - logprob).clamp(-20, 20)
-        return (kl.exp() - kl - 1).clamp(-10, 10)
-    raise ValueError(f"kl_penalty={kind!r} is unknown; choose from {', '.join(KL_ESTIMATORS[:-1])} (or add '+')")
+        log_ratio = (ref_logprob - logprob).clamp(-20, 20)
+        return (log_ratio.exp() - log_ratio - 1).clamp(-10, 10)
+    hint = " ('full' needs the whole vocabulary distribution, which no engine returns)" if kind == "full" else ""
+    raise ValueError(f"kl_penalty={kind!r} is unknown{hint}; choose from {', '.join(KL_ESTIMATORS)}, "
+                     "optionally with a '+' suffix (straight-through k2 gradient)")
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the categorical distribution over the last dimension."""
+    """Entropy of the categorical distribution over the last dimension (computed in float32)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
 
@@ -139,8 +163,15 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
                        cliprange_value: float, loss_agg_mode: str = "token-mean", *,
                        loss_scale: LossScale | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped value loss: ``0.5 * max((v - R)^2, (clip(v, old +- c) - R)^2)``."""
+    """PPO's clipped value loss ``0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2)``, aggregated.
+
+    Returns the loss and metrics ``critic/vf_clipfrac`` (fraction of tokens where
+    the clipped term is larger) and ``critic/vpred_mean``.
+    """
     check_same_shape(vpreds=vpreds, returns=returns, values=values, response_mask=response_mask)
+    if loss_scale is None:
+        check_nonempty_mask("response_mask", response_mask)
+    check_finite("returns", returns, response_mask)
     clipped = values + (vpreds - values).clamp(-cliprange_value, cliprange_value)
     loss1, loss2 = (vpreds - returns).square(), (clipped - returns).square()
     loss = 0.5 * agg_loss(torch.maximum(loss1, loss2), response_mask, loss_agg_mode, loss_scale=loss_scale)
@@ -150,43 +181,57 @@ def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torc
 
 
 class FixedKLController:
-    """A constant KL coefficient."""
+    """A constant KL coefficient ``value``."""
 
     def __init__(self, kl_coef: float) -> None:
         self.value = kl_coef
 
     def update(self, current_kl: float, n_steps: int) -> None:
-        """No-op."""
+        """No-op (the coefficient is fixed)."""
 
 
 class AdaptiveKLController:
-    """Ziegler et al. (2019): move the coefficient towards a target KL over ``horizon`` samples."""
+    """Ziegler et al. (2019): move ``value`` towards a target KL over ``horizon`` samples."""
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int) -> None:
+        if horizon <= 0:
+            raise ValueError(f"kl_ctrl.horizon must be > 0, got {horizon}")
+        if target_kl <= 0:
+            raise ValueError(f"kl_ctrl.target_kl must be > 0, got {target_kl}")
         self.value, self.target, self.horizon = init_kl_coef, target_kl, horizon
 
     def update(self, current_kl: float, n_steps: int) -> None:
-        """Proportional update, error clipped to +-20%."""
+        """``value *= 1 + clip(current_kl / target - 1, -0.2, 0.2) * n_steps / horizon``."""
         error = max(-0.2, min(0.2, current_kl / self.target - 1))
         self.value *= 1 + error * n_steps / self.horizon
 
 
 def get_kl_controller(config: Any) -> FixedKLController | AdaptiveKLController:
-    """A controller from ``algorithm.kl_ctrl`` (``type``: fixed | adaptive)."""
+    """A controller from ``algorithm.kl_ctrl`` (``type``: fixed | adaptive; ``kl_coef``, ``target_kl``, ``horizon``)."""
     kind = cfg_get(config, "type", "fixed")
     coef = cfg_get(config, "kl_coef", 0.001)
     if kind == "fixed":
         return FixedKLController(coef)
     if kind == "adaptive":
         return AdaptiveKLController(coef, cfg_get(config, "target_kl", 0.1), cfg_get(config, "horizon", 10000))
-    raise ValueError(f"algorithm.kl_ctrl.type={kind!r}: choose 'fixed' or 'adaptive'")
+    raise ValueError(f"algorithm.kl_ctrl.type={kind!r} is unknown; choose 'fixed' or 'adaptive'")
 
 
 def apply_kl_penalty(token_level_scores: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
-                     response_mask: torch.Tensor, kl_ctrl: Any, kl_penalty_type: str = "kl",
+                     response_mask: torch.Tensor, kl_ctrl: Any, kl_penalty: str = "kl",
                      ) -> tuple[torch.Tensor, dict[str, float]]:
-    """KL in the reward: ``rewards = scores - beta * KL`` per token; returns rewards and metrics."""
-    kld = kl_penalty(old_log_prob, ref_log_prob, kl_penalty_type) * response_mask
-    rewards = token_level_scores - kl_ctrl.value * kld
-    current = float(masked_mean(kld.sum(-1) / response_mask.sum(-1).clamp(min=1), (response_mask.sum(-1) > 0).float()))
-    return rewards, {"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": float(kl_ctrl.value)}
+    """KL in the reward: ``token_level_rewards = scores - kl_ctrl.value * KL`` on response tokens.
+
+    Returns the rewards and metrics ``actor/reward_kl_penalty`` (the batch mean of
+    each sequence's token-mean KL) and ``actor/reward_kl_penalty_coeff``. Unlike
+    verl's, this does not call ``kl_ctrl.update``: the trainer does, once per step.
+    """
+    check_same_shape(token_level_scores=token_level_scores, old_log_prob=old_log_prob, ref_log_prob=ref_log_prob,
+                     response_mask=response_mask)
+    check_finite("token_level_scores", token_level_scores)
+    mask = response_mask.to(old_log_prob.dtype)
+    kld = _kl_estimate(old_log_prob, ref_log_prob, kl_penalty) * mask
+    beta = kl_ctrl.value
+    rewards = token_level_scores - beta * kld
+    current = float(masked_mean(kld, mask, -1).mean())
+    return rewards, {"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": float(beta)}

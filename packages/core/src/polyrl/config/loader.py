@@ -164,7 +164,7 @@ def from_dict(schema: type, raw: Mapping, origins: Mapping[str, str] | None = No
     plugin_blocks = _pop_plugin_blocks(schema, raw)
     config = build(schema, raw, origins)
     for section, (name, block) in plugin_blocks.items():
-        setattr(getattr(config, section), "plugin_config", _plugin_config(section, name, block, origins, plugins))
+        getattr(config, section).plugin_config = _plugin_config(section, name, block, origins, plugins)
     return config
 
 

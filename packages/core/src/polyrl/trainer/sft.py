@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 from tensordict import TensorDict
 
 from polyrl.config.loader import to_yaml
