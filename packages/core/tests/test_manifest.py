@@ -19,7 +19,7 @@ def test_malformed_toml_names_file_and_line(tmp_path):
     path = write(tmp_path, '[plugins]\nrequire = ["a"\nmodules = []\n')
     with pytest.raises(ManifestError) as err:
         Manifest.load(path)
-    assert str(path) in str(err.value) and "line" in str(err.value)
+    assert str(path) in str(err.value) and "malformed TOML" in str(err.value) and "line 3" in str(err.value)
 
 
 def test_unknown_keys_suggest(tmp_path):
@@ -46,11 +46,22 @@ def test_bad_requirement_syntax(tmp_path):
         Manifest.load(write(tmp_path, '[plugins]\nrequire = ["polyrl >>= 1"]\n'))
 
 
-def test_module_that_does_not_import(tmp_path):
+def test_module_that_does_not_import(tmp_path, monkeypatch):
     m = Manifest.load(write(tmp_path, '[plugins]\nmodules = ["polyrl_missing_mod.hooks"]\n'))
     with pytest.raises(PluginLoadError) as err:
         PluginManager(m, entry_points=False)
-    assert "polyrl_missing_mod.hooks" in str(err.value) and "Traceback" in str(err.value)
+    msg = str(err.value)
+    assert f"manifest {tmp_path / 'polyrl.toml'} plugins.modules entry 'polyrl_missing_mod.hooks'" in msg
+    assert "no module named 'polyrl_missing_mod'" in msg and "PYTHONPATH" in msg
+    # a module that exists but fails inside: the traceback shows where
+    (tmp_path / "polyrl_half_hooks.py").write_text("import polyrl_dependency_not_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    m = Manifest.load(write(tmp_path, '[plugins]\nmodules = ["polyrl_half_hooks"]\n'))
+    with pytest.raises(PluginLoadError) as err:
+        PluginManager(m, entry_points=False)
+    msg = str(err.value)
+    assert "'polyrl_half_hooks' failed to import" in msg and "Traceback" in msg
+    assert "polyrl_half_hooks.py" in msg and "No module named 'polyrl_dependency_not_installed'" in msg
 
 
 def test_module_plugin_registers(tmp_path, monkeypatch):
@@ -71,3 +82,35 @@ def test_resolved_pins_installed_versions(tmp_path):
     text = m.to_toml(resolved=True)
     assert 'require = ["polyrl==0.1.0"]' in text and 'block = ["polyrl-hw-rocm"]' in text
     assert Manifest.from_dict(__import__("tomllib").loads(text)).require == ("polyrl==0.1.0",)
+
+
+def test_missing_file_and_key_outside_the_table(tmp_path):
+    with pytest.raises(ManifestError, match=r"nope\.toml does not exist"):
+        Manifest.load(tmp_path / "nope.toml")
+    with pytest.raises(ManifestError, match=r"key 'require' must be inside the \[plugins\] table"):
+        Manifest.load(write(tmp_path, 'require = ["polyrl"]\n'))
+
+
+def test_wrong_value_types_name_the_key(tmp_path):
+    with pytest.raises(ManifestError, match=r"plugins\.modules must be a list of strings, got 'my_hooks'"):
+        Manifest.load(write(tmp_path, '[plugins]\nmodules = "my_hooks"\n'))
+    with pytest.raises(ManifestError, match=r"\[plugins\] must be a table"):
+        Manifest.load(write(tmp_path, 'plugins = 3\n'))
+
+
+def test_requirement_for_another_platform_is_skipped(tmp_path):
+    m = Manifest.load(write(tmp_path, '[plugins]\nrequire = ["polyrl-not-installed; sys_platform == \'nope\'"]\n'))
+    assert m.check_requirements() == {} and m.required_distributions() == set()
+
+
+def test_resolved_keeps_extras_and_round_trips(tmp_path):
+    m = Manifest.load(write(tmp_path, '[plugins]\nrequire = ["polyrl[dev]>=0.1"]\nmodules = ["a.b"]\n'))
+    resolved = Manifest.from_dict(__import__("tomllib").loads(m.to_toml(resolved=True)))
+    assert resolved.require == ("polyrl[dev]==0.1.0",) and resolved.modules == ("a.b",)
+    assert Manifest.from_dict(__import__("tomllib").loads(m.to_toml())) == Manifest(require=m.require, modules=m.modules)
+
+
+def test_blocking_a_builtin(tmp_path):
+    m = Manifest.load(write(tmp_path, '[plugins]\nblock = ["polyrl.data.hooks"]\n'))
+    pm = PluginManager(m, entry_points=False)
+    assert "polyrl.data.hooks" not in pm.plugins and len(pm.registry("dataset")) == 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import types
 
 import pytest
@@ -83,13 +81,6 @@ def test_harness_registers_and_removes(polyrl_plugins):
         get_adv_estimator_fn("mine")
 
 
-def test_trace_hooks_prints_calls():
-    code = "from polyrl.plugins import PluginManager; PluginManager(None, entry_points=False)"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={"POLYRL_TRACE_HOOKS": "1", "PATH": ""}, timeout=120)
-    assert "[polyrl hooks] register_advantage_estimators() -> polyrl.algorithms.hooks" in proc.stderr
-
-
 def test_every_kind_has_a_hookspec():
     from polyrl import hookspecs
 
@@ -103,3 +94,145 @@ def test_entry_point_plugin_loads_with_its_distribution():
     info = pm.plugins["example"]
     assert info.distribution == "polyrl-example" and info.version
     assert pm.entry("advantage_estimator", "sign").plugin.name == "example"
+
+
+# ---------------------------------------------------------------------- installed distributions
+def install_fake_dist(site, dist, version, entry_points, modules):
+    """Write a real (minimal) installed distribution into ``site``: what pip leaves behind."""
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(
+        "[polyrl]\n" + "".join(f"{name} = {target}\n" for name, target in entry_points.items())
+    )
+    for module, code in modules.items():
+        (site / f"{module}.py").write_text(code)
+
+
+GOOD_HOOKS = (
+    "from polyrl import hookimpl\n"
+    "@hookimpl\n"
+    "def register_tools(register):\n"
+    "    register('calculator', 'json:loads', aliases='calc', description='a calculator')\n"
+)
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    path = tmp_path / "site"
+    path.mkdir()
+    monkeypatch.syspath_prepend(str(path))
+    return path
+
+
+def test_entry_point_of_an_installed_distribution_loads(site):
+    install_fake_dist(site, "polyrl-fake-tools", "1.2.3", {"fake-tools": "fake_tools_hooks"},
+                      {"fake_tools_hooks": GOOD_HOOKS})
+    pm = PluginManager(None)
+    assert pm.plugins["fake-tools"] == PluginInfo("fake-tools", "polyrl-fake-tools", "1.2.3", "fake_tools_hooks")
+    assert pm.get("tool", "calc") is __import__("json").loads
+    [desc] = [p for p in pm.describe() if p["name"] == "fake-tools"]
+    assert desc["hooks"] == ["register_tools"] and desc["registered"] == {"tool": ["calculator"]}
+    assert desc["entries"]["tool"][0] == {"name": "calculator", "target": "json:loads", "aliases": ["calc"],
+                                          "description": "a calculator"}
+
+
+def test_manifest_selects_and_blocks_distributions(site, tmp_path):
+    from polyrl.manifest import Manifest
+
+    install_fake_dist(site, "polyrl-fake-tools", "1.2.3", {"fake-tools": "fake_tools_hooks"},
+                      {"fake_tools_hooks": GOOD_HOOKS})
+    assert "fake-tools" not in PluginManager(Manifest()).plugins  # not required: not loaded
+    assert "fake-tools" in PluginManager(Manifest(require=("polyrl_fake_tools>=1.2",))).plugins  # any spelling
+    blocked = Manifest(require=("polyrl-fake-tools",), block=("polyrl-fake-tools",))
+    assert "fake-tools" not in PluginManager(blocked).plugins
+    # a module listed in `modules` that an entry point already loaded is loaded once
+    both = PluginManager(Manifest(require=("polyrl-fake-tools",), modules=("fake_tools_hooks",)))
+    assert [n for n in both.plugins if not n.startswith("polyrl.")] == ["fake-tools"]
+
+
+def test_entry_point_that_fails_to_import_names_plugin_and_shows_traceback(site):
+    install_fake_dist(site, "polyrl-broken", "0.3.0", {"broken": "broken_hooks"},
+                      {"broken_hooks": "import polyrl\nraise RuntimeError('boom at import')\n"})
+    with pytest.raises(PluginLoadError) as err:
+        PluginManager(None)
+    msg = str(err.value)
+    assert "plugin 'broken' (polyrl-broken 0.3.0" in msg and "broken_hooks" in msg
+    assert "Traceback" in msg and "RuntimeError: boom at import" in msg and "block it in the manifest" in msg
+    from polyrl.manifest import Manifest
+
+    PluginManager(Manifest(block=("broken",)))  # blocking it is the way out
+
+
+def test_entry_point_with_misspelled_hook_names_its_distribution(site):
+    install_fake_dist(site, "polyrl-typo", "0.1.0", {"typo": "typo_hooks"}, {"typo_hooks": (
+        "from polyrl import hookimpl\n@hookimpl\ndef register_advantage_estimator(register):\n    pass\n")})
+    with pytest.raises(PluginLoadError) as err:
+        PluginManager(None)
+    msg = str(err.value)
+    assert "polyrl-typo 0.1.0" in msg and "register_advantage_estimator" in msg
+    assert "register_advantage_estimators" in msg  # the known hooks are listed
+
+
+def test_hook_argument_the_hook_does_not_offer():
+    class WrongArg:
+        @hookimpl
+        def register_tools(self, reg):
+            pass
+
+    pm = PluginManager(None, entry_points=False)
+    with pytest.raises(PluginLoadError, match=r"(?s)plugin 'wrongarg'.*invalid hook implementation.*\{'reg'\}.*offers 'register'"):
+        pm.add_plugin(WrongArg(), PluginInfo("wrongarg"))
+    assert "wrongarg" not in pm.plugins
+
+
+def test_exception_inside_a_hook_names_plugin_and_hook():
+    class Raises:
+        @hookimpl
+        def register_datasets(self, register):
+            raise KeyError("oops")
+
+    pm = PluginManager(None, entry_points=False)
+    with pytest.raises(PluginLoadError) as err:
+        pm.add_plugin(Raises(), PluginInfo("raiser", "raiser-dist", "0.0.1"))
+    msg = str(err.value)
+    assert "raiser-dist 0.0.1" in msg and "register_datasets" in msg and "KeyError: 'oops'" in msg
+    assert "raiser" not in pm.plugins
+
+
+def test_same_module_under_two_names_is_an_error():
+    mod = types.ModuleType("twice")
+    pm = PluginManager(None, entry_points=False)
+    pm.add_plugin(mod, PluginInfo("first"))
+    with pytest.raises(PluginLoadError, match="already loaded as plugin 'first'"):
+        pm.add_plugin(mod, PluginInfo("second"))
+    with pytest.raises(PluginLoadError, match="loaded twice"):
+        pm.add_plugin(types.ModuleType("other"), PluginInfo("first"))
+
+
+def test_harness_is_the_process_wide_manager_and_remove(polyrl_plugins):
+    from polyrl.plugins import get_plugin_manager, lookup
+
+    assert get_plugin_manager() is polyrl_plugins.pm
+    assert not [n for n in polyrl_plugins.pm.plugins if not n.startswith("polyrl.")]  # no entry points
+    mod = types.ModuleType("harness_hooks")
+    exec(GOOD_HOOKS, mod.__dict__)
+    info = polyrl_plugins.register(mod)
+    assert info.name == "harness_hooks" and polyrl_plugins.names("tool") == ["calculator"]
+    assert lookup("tool", "calculator") is __import__("json").loads
+    polyrl_plugins.remove("harness_hooks")
+    with pytest.raises(RegistryError, match="unknown tool 'calculator'"):
+        lookup("tool", "calculator")
+    with pytest.raises(KeyError, match="no plugin 'harness_hooks'"):
+        polyrl_plugins.remove("harness_hooks")
+
+
+def test_trace_hooks_prints_every_hook_call_and_registration(monkeypatch, capsys):
+    monkeypatch.setenv("POLYRL_TRACE_HOOKS", "1")
+    PluginManager(None, entry_points=False)
+    err = capsys.readouterr().err
+    assert "[polyrl hooks] register_advantage_estimators() -> polyrl.algorithms.hooks" in err
+    assert "[polyrl hooks]   register(advantage_estimator 'grpo')" in err
+    monkeypatch.setenv("POLYRL_TRACE_HOOKS", "0")
+    PluginManager(None, entry_points=False)
+    assert "[polyrl hooks]" not in capsys.readouterr().err

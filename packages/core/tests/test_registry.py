@@ -69,3 +69,38 @@ def test_unregister_plugin_drops_its_names():
     reg.register("z", 2, plugin=B)
     reg.unregister_plugin("plugin-a")
     assert reg.names(include_aliases=True) == ["z"]
+
+
+def test_aliases_may_be_one_string_but_not_garbage():
+    reg = Registry("engine")
+    reg.register("fsdp", "json:dumps", plugin=A, aliases="fsdp2")
+    assert reg.names(include_aliases=True) == ["fsdp", "fsdp2"]
+    assert reg.entry("fsdp2").metadata["aliases"] == ["fsdp2"]
+    with pytest.raises(RegistryError, match="invalid aliases"):
+        reg.register("megatron", object(), plugin=A, aliases=[1])
+
+
+def test_invalid_name_names_the_plugin():
+    with pytest.raises(RegistryError, match="plugin 'plugin-a'.*invalid name ''"):
+        Registry("tool").register("", object(), plugin=A)
+
+
+def test_import_string_whose_module_raises_shows_traceback(tmp_path, monkeypatch):
+    (tmp_path / "polyrl_raises_on_import.py").write_text("raise RuntimeError('no GPU driver')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = Registry("rollout")
+    reg.register("fancy", "polyrl_raises_on_import:Rollout", plugin=B)
+    with pytest.raises(RegistryError) as err:
+        reg.get("fancy")
+    msg = str(err.value)
+    assert "rollout 'fancy'" in msg and "dist-b 2.0" in msg and "RuntimeError: no GPU driver" in msg
+
+
+def test_objects_load_once_and_lookups_by_alias_share_it(tmp_path, monkeypatch):
+    (tmp_path / "polyrl_counted.py").write_text("import itertools\nCOUNT = itertools.count()\nthing = object()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = Registry("tool")
+    reg.register("counted", "polyrl_counted:thing", plugin=A, aliases=["c"])
+    assert "polyrl_counted" not in __import__("sys").modules  # registering imports nothing
+    assert reg.get("counted") is reg.get("c")
+    assert next(__import__("polyrl_counted").COUNT) == 0  # module imported once

@@ -52,7 +52,7 @@ def format_plugins(info: list[dict], *, manifest: str | None = None, verbose: bo
                 lines.append(f"  {kind}:")
                 for e in entries:
                     alias = f" (aliases: {', '.join(e['aliases'])})" if e["aliases"] else ""
-                    desc = f"  {e['description']}" if e["description"] else ""
+                    desc = f"  ({e['description']})" if e["description"] else ""
                     lines.append(f"    {e['name']}{alias} -> {e['target']}{desc}")
             else:
                 shown = [e["name"] + (f" ({', '.join(e['aliases'])})" if e["aliases"] else "") for e in entries]
@@ -141,6 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         return args.handler(args)
+    except BrokenPipeError:  # `polyrl plugins | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except PolyrlError as exc:
         if args.traceback or os.environ.get("POLYRL_DEBUG") == "1":
             traceback.print_exc()

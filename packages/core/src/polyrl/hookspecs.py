@@ -49,7 +49,8 @@ def register_rollouts(register: RegisterFn) -> None:
 def register_reward_managers(register: RegisterFn) -> None:
     """Register reward managers (kind ``reward_manager``).
 
-    ``obj`` is a factory ``(*, tokenizer, compute_score, config) -> RewardManager``.
+    ``obj`` is a factory ``(*, tokenizer, compute_score, config) -> RewardManager``; ``config`` is the
+    run's ``reward`` block (:class:`polyrl.rewards.RewardConfig`).
     """
 
 
@@ -79,6 +80,8 @@ def register_tools(register: RegisterFn) -> None:
 def register_advantage_estimators(register: RegisterFn) -> None:
     """Register advantage estimators (kind ``advantage_estimator``), verl's signature
     ``fn(token_level_rewards, response_mask, index=None, config=None, **kw) -> (advantages, returns)``.
+
+    Metadata ``needs_values=True`` marks an estimator that needs a critic's values (like ``gae``).
     """
 
 
@@ -109,8 +112,8 @@ def register_config_schemas(register: RegisterFn) -> None:
 
 @hookspec
 def register_trainers(register: RegisterFn) -> None:
-    """Register trainers (kind ``trainer``): ``obj`` is a factory ``(config, *, plugins) -> Trainer``
-    whose ``fit()`` runs the training loop (``ppo`` covers PPO/GRPO and their family).
+    """Register trainers (kind ``trainer``): ``obj`` is a factory ``(config, *, manifest, plugins) -> Trainer``
+    whose ``fit()`` runs the training loop; one registered as ``ppo`` replaces the built-in PPO/GRPO trainer.
     """
 
 

@@ -16,16 +16,21 @@ from __future__ import annotations
 
 import difflib
 import importlib.metadata
+import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import tomllib
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
 from polyrl.errors import ManifestError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, as a package
+    import tomli as tomllib
 
 _SECTION_KEYS = {"plugins": {"require", "modules", "block"}}
 

@@ -237,6 +237,14 @@ class PluginManager:
 def _import_plugin_module(module_name: str, where: str) -> ModuleType:
     try:
         return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            # the module itself is missing (not one of its imports): a path problem, no traceback needed
+            raise PluginLoadError(
+                f"{where} failed to import: no module named '{exc.name}'. Install the package that provides it, "
+                "or put its folder on PYTHONPATH (for every process of the run, Ray workers included)."
+            ) from exc
+        raise PluginLoadError(f"{where} failed to import:\n{traceback.format_exc()}") from exc
     except Exception as exc:
         raise PluginLoadError(f"{where} failed to import:\n{traceback.format_exc()}") from exc
 

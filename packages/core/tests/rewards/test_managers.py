@@ -70,3 +70,20 @@ def test_dapo_overlong_penalty(tiny_tokenizer):
     batch = make_batch(tiny_tokenizer, ["1", "1234567"], ["1", "0"])  # lengths 2 and 8 (with EOS)
     out = DAPORewardManager(tokenizer=tiny_tokenizer, compute_score=lambda *a: 0.0, config=cfg)(batch)
     assert torch.allclose(out.token_level_scores.sum(-1), torch.tensor([0.0, -1.0]))
+
+
+def test_multi_turn_score_goes_on_the_last_response_token_not_the_last_model_token(tiny_tokenizer):
+    tok = tiny_tokenizer
+    model, tool, tail = (tok(t, add_special_tokens=False)["input_ids"] for t in ("4", " tool:9 ", "5"))
+    ids = model + tool + tail
+    out = AgentLoopOutput(prompt_ids=[1, 2], response_ids=ids,
+                          response_mask=[1] * len(model) + [0] * len(tool) + [1] * len(tail))
+    batch = collate([out], pad_token_id=tok.pad_token_id, max_prompt_length=4, max_response_length=16)
+    set_non_tensor(batch, "data_source", ["x"])
+    set_non_tensor(batch, "ground_truth", ["5"])
+    set_non_tensor(batch, "extra_info", [{}])
+    seen = []
+    manager = NaiveRewardManager(tokenizer=tok, compute_score=lambda s, text, t, e: seen.append(text) or 2.0)
+    scores = manager(batch).token_level_scores
+    assert seen == ["4 tool:9 5"]  # tool tokens are decoded too
+    assert scores[0, len(ids) - 1] == 2.0 and scores.sum() == 2.0

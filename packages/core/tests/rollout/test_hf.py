@@ -70,3 +70,10 @@ def test_update_weights_checks_before_changing(hf_rollout):
     assert hf_rollout.generate([req])[0].response_ids != before
     hf_rollout.update_weights(list(saved.items()))
     assert hf_rollout.generate([req])[0].response_ids == before
+
+
+def test_chunks_of_one_call_do_not_replay_the_random_stream(tiny_model_dir, tiny_tokenizer):
+    rollout = HFRollout(RolloutConfig(max_batch_size=2), model_path=str(tiny_model_dir), tokenizer=tiny_tokenizer)
+    params = SamplingParams(max_new_tokens=6, seed=5, ignore_eos=True)
+    results = rollout.generate([GenerationRequest([5, 6, 7], params) for _ in range(4)])  # two chunks of two
+    assert [r.response_ids for r in results[:2]] != [r.response_ids for r in results[2:]]

@@ -56,6 +56,7 @@ class VLLMRollout:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.vcfg.cpu_kvcache_space_gib))
         # The engine runs in this process, so weights can be loaded into its model runner directly.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one INFO line per weight sync otherwise
         vllm = import_vllm()
         self._vllm = vllm
         max_len = config.max_model_len or (config.prompt_length + config.response_length)

@@ -18,4 +18,4 @@ def register_reward_functions(register):
 @hookimpl
 def register_reward_managers(register):
     register("clipped", "polyrl_example.rewards:ClippedRewardManager",
-             description="naive scoring with scores clipped to [-1, 1]")
+             description="one compute_score call per sample, scores clipped to [-1, 1]")

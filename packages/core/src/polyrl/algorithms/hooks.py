@@ -1,7 +1,17 @@
-"""Registers the built-in advantage estimators and policy losses."""
+"""Registers the built-in advantage estimators and policy losses (one of polyrl's ``DEFAULT_PLUGINS``).
+
+Import strings keep ``import polyrl.algorithms.hooks`` light: a function's module
+is imported on first look-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 from polyrl.hookspecs import hookimpl
 
+#: name -> function in polyrl.algorithms.advantages (verl's names)
 _ESTIMATORS = {
     "gae": "compute_gae_advantage_return",
     "grpo": "compute_grpo_outcome_advantage",
@@ -13,16 +23,19 @@ _ESTIMATORS = {
     "opo": "compute_opo_outcome_advantage",
     "gpg": "compute_gpg_outcome_advantage",
 }
-_LOSSES = ["vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "cispo", "sapo", "geo_mean"]
+#: loss_mode names; each is polyrl.algorithms.policy_losses:compute_policy_loss_<name>
+_LOSSES = ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "cispo", "sapo", "geo_mean")
 
 
 @hookimpl
-def register_advantage_estimators(register):
+def register_advantage_estimators(register: Callable[..., Any]) -> None:
+    """Register verl's estimators; ``gae`` is marked ``needs_values`` (the trainer builds a critic for it)."""
     for name, attr in _ESTIMATORS.items():
         register(name, f"polyrl.algorithms.advantages:{attr}", needs_values=name == "gae")
 
 
 @hookimpl
-def register_policy_losses(register):
+def register_policy_losses(register: Callable[..., Any]) -> None:
+    """Register verl's policy losses under their ``actor.policy_loss.loss_mode`` names."""
     for name in _LOSSES:
         register(name, f"polyrl.algorithms.policy_losses:compute_policy_loss_{name}")

@@ -1,10 +1,15 @@
 """Policy losses with verl's names and signature.
 
 ``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-config=None, rollout_log_probs=None, *, loss_scale=None) -> (loss, metrics)``.
-``config`` carries verl's actor fields (``clip_ratio``, ``clip_ratio_low``,
-``clip_ratio_high``, ``clip_ratio_c``, ``policy_loss.*``) as an object or mapping.
-Formulas and papers: docs/algorithms.md.
+config=None, rollout_log_probs=None, *, loss_scale=None, rollout_is_weights=None) -> (loss, metrics)``.
+
+``config`` carries verl's actor fields as an object or a mapping: ``clip_ratio``,
+``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``, ``loss_scale_factor``,
+``tau_pos``/``tau_neg`` (SAPO), ``tis_imp_ratio_cap`` and the ``policy_loss`` block
+(``clip_cov_ratio``, ``clip_cov_lb``, ``clip_cov_ub``, ``kl_cov_ratio``,
+``ppo_kl_coef``, ``tis_imp_ratio_cap``, and ``extra``). Every loss multiplies its
+per-token losses by the truncated importance weights when they are on (see
+:func:`truncated_is_weights`). Formulas and papers: docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -13,205 +18,315 @@ from typing import Any
 
 import torch
 
-from polyrl.algorithms.core import agg_loss, cfg_get, check_same_shape, masked_mean
+from polyrl.algorithms.core import (
+    agg_loss,
+    cfg_get,
+    check_finite,
+    check_nonempty_mask,
+    check_same_shape,
+    masked_mean,
+)
 from polyrl.protocols import LossScale
 
-
-def _clip_range(config: Any) -> tuple[float, float]:
-    clip = cfg_get(config, "clip_ratio", 0.2)
-    return cfg_get(config, "clip_ratio_low", clip), cfg_get(config, "clip_ratio_high", clip)
+LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: a larger ratio means a broken batch, not a learning signal
 
 
-def _policy_cfg(config: Any, key: str, default: Any) -> Any:
-    sub = cfg_get(config, "policy_loss", None)
-    value = cfg_get(sub, key, None)
+def policy_option(config: Any, key: str, default: Any) -> Any:
+    """A loss option: ``config.<key>`` (verl's actor level), else ``config.policy_loss.<key>``, else ``...extra``."""
+    value = cfg_get(config, key, None)
     if value is None:
-        value = cfg_get(cfg_get(sub, "extra", None), key, default)
-    return value
+        block = cfg_get(config, "policy_loss", None)
+        value = cfg_get(block, key, None)
+        if value is None:
+            value = cfg_get(cfg_get(block, "extra", None), key, None)
+    return default if value is None else value
 
 
-def _prepare(old_log_prob, log_prob, advantages, response_mask):
-    check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
-    if response_mask.sum() == 0:
-        raise ValueError("response_mask is all zero: no token to train on (check the batch's response_mask)")
-    neg_kl = (log_prob - old_log_prob).clamp(-20.0, 20.0)
-    return neg_kl, torch.exp(neg_kl)
+def clip_range(config: Any) -> tuple[float, float]:
+    """``(clip_ratio_low, clip_ratio_high)``, each defaulting to ``clip_ratio`` (0.2)."""
+    clip = cfg_get(config, "clip_ratio", 0.2)
+    return float(cfg_get(config, "clip_ratio_low", clip)), float(cfg_get(config, "clip_ratio_high", clip))
 
 
-def _tis_weight(old_log_prob: torch.Tensor, rollout_log_probs: torch.Tensor | None, config: Any) -> torch.Tensor | None:
-    """Truncated importance sampling between the rollout's and the trainer's old policy (``tis_imp_ratio_cap``)."""
-    cap = _policy_cfg(config, "tis_imp_ratio_cap", 0.0)
-    if rollout_log_probs is None or not cap or cap <= 0:
+def truncated_is_weights(old_log_prob: torch.Tensor, rollout_log_probs: torch.Tensor | None, config: Any,
+                         rollout_is_weights: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Per-token weights for the rollout/trainer mismatch, or None when off.
+
+    ``rollout_is_weights`` (verl >= 0.6: precomputed by the trainer) wins; otherwise,
+    with ``tis_imp_ratio_cap > 0`` and ``rollout_log_probs``, the weights are
+    ``min(exp(old_log_prob - rollout_log_probs), cap)`` (Yao et al. 2025, verl 0.5).
+    Always detached: they reweight the gradient, they do not receive one.
+    """
+    if rollout_is_weights is not None:
+        check_same_shape(old_log_prob=old_log_prob, rollout_is_weights=rollout_is_weights)
+        return rollout_is_weights.detach()
+    cap = float(policy_option(config, "tis_imp_ratio_cap", 0.0))
+    if rollout_log_probs is None or cap <= 0:
         return None
     check_same_shape(old_log_prob=old_log_prob, rollout_log_probs=rollout_log_probs)
-    return torch.exp((old_log_prob - rollout_log_probs).clamp(-20, 20)).clamp(max=cap).detach()
+    log_w = (old_log_prob - rollout_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return log_w.exp().clamp(max=cap).detach()
 
 
-def _ratio_metrics(ratio: torch.Tensor, neg_kl: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    ratio, neg_kl = ratio.detach(), neg_kl.detach()
-    valid = ratio[mask.bool()]
+def _check(old_log_prob, log_prob, advantages, response_mask, loss_scale, rollout_log_probs=None) -> None:
+    check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
+                     response_mask=response_mask, rollout_log_probs=rollout_log_probs)
+    if log_prob.dim() != 2:
+        raise ValueError(f"log_prob must be [batch, response_length], got {tuple(log_prob.shape)}")
+    # A micro-batch of padding rows (all masked) is fine inside a mini-batch normalised by
+    # loss_scale; on its own it has nothing to train on.
+    if loss_scale is None:
+        check_nonempty_mask("response_mask", response_mask)
+    check_finite("advantages", advantages, response_mask)
+    check_finite("old_log_prob", old_log_prob, response_mask)
+
+
+def _log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor) -> torch.Tensor:
+    return (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _aggregate(losses, response_mask, loss_agg_mode, config, loss_scale, tis) -> torch.Tensor:
+    if tis is not None:
+        losses = losses * tis
+    return agg_loss(losses, response_mask, loss_agg_mode, loss_scale=loss_scale,
+                    loss_scale_factor=cfg_get(config, "loss_scale_factor", None))
+
+
+def _ratio_metrics(neg_kl: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    neg_kl = neg_kl.detach()
+    ratio = neg_kl.exp()
+    valid = mask.bool()
+    any_valid = bool(valid.any())
     return {
         "ppo_kl": float(masked_mean(-neg_kl, mask)),
-        "ratio_mean": float(valid.mean()) if valid.numel() else 1.0,
-        "ratio_max": float(valid.max()) if valid.numel() else 1.0,
-        "ratio_min": float(valid.min()) if valid.numel() else 1.0,
+        "ratio_mean": float(masked_mean(ratio, mask)) if any_valid else 1.0,
+        "ratio_max": float(ratio[valid].max()) if any_valid else 1.0,
+        "ratio_min": float(ratio[valid].min()) if any_valid else 1.0,
     }
 
 
-def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                                config=None, rollout_log_probs=None, *, loss_scale: LossScale | None = None):
-    """PPO clip with asymmetric ``clip_ratio_low/high`` and dual-clip ``clip_ratio_c`` for negative advantages."""
-    neg_kl, ratio = _prepare(old_log_prob, log_prob, advantages, response_mask)
-    low, high = _clip_range(config)
-    clip_c = cfg_get(config, "clip_ratio_c", 3.0)
-    if clip_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 for dual-clip, got {clip_c}")
+def _ppo_clip(advantages, ratio, low, high):
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1 - low, 1 + high)
-    clipped = torch.maximum(loss1, loss2)
+    return loss1, loss2, torch.maximum(loss1, loss2)
+
+
+def compute_policy_loss_vanilla(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                                response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
+                                rollout_log_probs: torch.Tensor | None = None, *, loss_scale: LossScale | None = None,
+                                rollout_is_weights: torch.Tensor | None = None,
+                                ) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clip ``max(-A r, -A clip(r, 1-low, 1+high))`` with dual-clip ``min(., -A clip_ratio_c)`` for ``A < 0``."""
+    _check(old_log_prob, log_prob, advantages, response_mask, loss_scale, rollout_log_probs)
+    low, high = clip_range(config)
+    clip_c = float(cfg_get(config, "clip_ratio_c", 3.0))
+    if clip_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {clip_c}")
+    neg_kl = _log_ratio(old_log_prob, log_prob)
+    loss1, loss2, clipped = _ppo_clip(advantages, neg_kl.exp(), low, high)
     loss3 = -advantages * clip_c
-    dual = torch.minimum(loss3, clipped)
-    losses = torch.where(advantages < 0, dual, clipped)
-    tis = _tis_weight(old_log_prob, rollout_log_probs, config)
-    if tis is not None:
-        losses = losses * tis
-    loss = agg_loss(losses, response_mask, loss_agg_mode, loss_scale=loss_scale)
-    metrics = _ratio_metrics(ratio, neg_kl, response_mask)
+    losses = torch.where(advantages < 0, torch.minimum(loss3, clipped), clipped)
+    tis = truncated_is_weights(old_log_prob, rollout_log_probs, config, rollout_is_weights)
+    loss = _aggregate(losses, response_mask, loss_agg_mode, config, loss_scale, tis)
+    metrics = _ratio_metrics(neg_kl, response_mask)
     metrics["pg_clipfrac"] = float(masked_mean((loss2 > loss1).float(), response_mask))
     metrics["pg_clipfrac_lower"] = float(masked_mean(((clipped > loss3) & (advantages < 0)).float(), response_mask))
     return loss, metrics
 
 
-def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-mean",
-                             config=None, rollout_log_probs=None, *, loss_scale: LossScale | None = None):
-    """GSPO: a sequence-level ratio (geometric mean of token ratios), token-level gradients, clipped."""
-    neg_kl, ratio_tok = _prepare(old_log_prob, log_prob, advantages, response_mask)
-    lengths = response_mask.sum(-1).clamp(min=1)
-    seq_log_ratio = (neg_kl * response_mask).sum(-1) / lengths
+def compute_policy_loss_gspo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                             response_mask: torch.Tensor, loss_agg_mode: str = "seq-mean-token-mean",
+                             config: Any = None, rollout_log_probs: torch.Tensor | None = None, *,
+                             loss_scale: LossScale | None = None, rollout_is_weights: torch.Tensor | None = None,
+                             ) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO: the sequence ratio ``s = exp(mean_t log r_t)`` with token gradients, clipped like PPO.
+
+    Always aggregated ``seq-mean-token-mean`` (the paper's objective; verl does the same).
+    """
+    _check(old_log_prob, log_prob, advantages, response_mask, loss_scale, rollout_log_probs)
+    low, high = clip_range(config)
+    mask = response_mask.to(log_prob.dtype)
+    neg_kl = log_prob - old_log_prob
+    seq_log_ratio = (neg_kl * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    # s_{i,t} = sg(s_i) * pi(y_t) / sg(pi(y_t)): value s_i, gradient of the token's log-prob
     log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
-    ratio = torch.exp(log_ratio.clamp(max=10.0))
-    low, high = _clip_range(config)
-    loss1 = -advantages * ratio
-    loss2 = -advantages * ratio.clamp(1 - low, 1 + high)
-    losses = torch.maximum(loss1, loss2)
-    loss = agg_loss(losses, response_mask, "seq-mean-token-mean", loss_scale=loss_scale)
-    metrics = _ratio_metrics(ratio, neg_kl, response_mask)
+    ratio = log_ratio.clamp(max=10.0).exp()
+    loss1, loss2, losses = _ppo_clip(advantages, ratio, low, high)
+    tis = truncated_is_weights(old_log_prob, rollout_log_probs, config, rollout_is_weights)
+    loss = _aggregate(losses, response_mask, "seq-mean-token-mean", config, loss_scale, tis)
+    metrics = _ratio_metrics(neg_kl.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), response_mask)
     metrics["pg_clipfrac"] = float(masked_mean((loss2 > loss1).float(), response_mask))
+    metrics["pg_clipfrac_lower"] = 0.0
     return loss, metrics
 
 
-def compute_policy_loss_gpg(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                            config=None, rollout_log_probs=None, *, loss_scale: LossScale | None = None):
-    """GPG: the plain policy gradient ``-log_prob * A`` (no ratio, no clipping)."""
-    check_same_shape(log_prob=log_prob, advantages=advantages, response_mask=response_mask)
-    loss = agg_loss(-log_prob * advantages, response_mask, loss_agg_mode, loss_scale=loss_scale)
-    return loss, {"pg_clipfrac": 0.0, "ppo_kl": float(masked_mean(old_log_prob - log_prob.detach(), response_mask))}
-
-
-def _centered_cov(advantages, log_prob, mask):
-    valid = mask.bool()
-    adv_c = advantages - advantages[valid].mean()
-    logp_c = log_prob.detach() - log_prob.detach()[valid].mean()
-    return adv_c * logp_c
-
-
-def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                                 config=None, rollout_log_probs=None, *, loss_scale: LossScale | None = None):
-    """Clip-Cov: PPO clip, plus the gradient of a random ``clip_cov_ratio`` of the tokens whose
-    advantage/log-prob covariance lies in ``[clip_cov_lb, clip_cov_ub]`` is cut (entropy preservation)."""
-    neg_kl, ratio = _prepare(old_log_prob, log_prob, advantages, response_mask)
-    low, high = _clip_range(config)
-    frac = _policy_cfg(config, "clip_cov_ratio", 0.0002)
-    lb, ub = _policy_cfg(config, "clip_cov_lb", 1.0), _policy_cfg(config, "clip_cov_ub", 5.0)
-    loss1 = -advantages * ratio
-    loss2 = -advantages * ratio.clamp(1 - low, 1 + high)
-    clip_by_ratio = loss2 > loss1
-    cov = _centered_cov(advantages, log_prob, response_mask)
-    candidates = ((cov > lb) & (cov < ub) & response_mask.bool()).nonzero(as_tuple=False)
-    n_clip = max(int(frac * int(response_mask.sum())), 1)
-    cut = torch.zeros_like(response_mask, dtype=torch.bool)
-    if len(candidates):
-        pick = candidates[torch.randperm(len(candidates))[: min(n_clip, len(candidates))]]
-        cut[pick[:, 0], pick[:, 1]] = True
-    keep = (~cut).to(loss1.dtype)
-    losses = torch.maximum(loss1, loss2) * keep
-    loss = agg_loss(losses, response_mask, loss_agg_mode, loss_scale=loss_scale)
-    metrics = _ratio_metrics(ratio, neg_kl, response_mask)
-    metrics["pg_clipfrac"] = float(masked_mean((clip_by_ratio | cut).float(), response_mask))
-    return loss, metrics
-
-
-def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                               config=None, rollout_log_probs=None, *, loss_scale: LossScale | None = None):
-    """KL-Cov: plain ``-A * ratio``, plus ``ppo_kl_coef * |log_prob - old|`` on the top
-    ``kl_cov_ratio`` tokens by advantage/log-prob covariance."""
-    neg_kl, ratio = _prepare(old_log_prob, log_prob, advantages, response_mask)
-    frac = _policy_cfg(config, "kl_cov_ratio", 0.0002)
-    coef = _policy_cfg(config, "ppo_kl_coef", 0.1)
-    losses = -advantages * ratio
-    cov = _centered_cov(advantages, log_prob, response_mask).masked_fill(~response_mask.bool(), float("-inf"))
-    k = max(int(frac * int(response_mask.sum())), 1)
-    top = torch.topk(cov.flatten(), k).indices
-    penalty = torch.zeros_like(losses).flatten()
-    penalty[top] = coef * (log_prob - old_log_prob).abs().flatten()[top]
-    losses = losses + penalty.view_as(losses)
-    loss = agg_loss(losses, response_mask, loss_agg_mode, loss_scale=loss_scale)
-    metrics = _ratio_metrics(ratio, neg_kl, response_mask)
+def compute_policy_loss_gpg(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                            response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
+                            rollout_log_probs: torch.Tensor | None = None, *, loss_scale: LossScale | None = None,
+                            rollout_is_weights: torch.Tensor | None = None,
+                            ) -> tuple[torch.Tensor, dict[str, float]]:
+    """GPG: the plain policy gradient ``-A log_prob`` (no ratio, no clipping)."""
+    _check(old_log_prob, log_prob, advantages, response_mask, loss_scale, rollout_log_probs)
+    tis = truncated_is_weights(old_log_prob, rollout_log_probs, config, rollout_is_weights)
+    loss = _aggregate(-advantages * log_prob, response_mask, loss_agg_mode, config, loss_scale, tis)
+    metrics = _ratio_metrics(_log_ratio(old_log_prob, log_prob), response_mask)
     metrics["pg_clipfrac"] = 0.0
     return loss, metrics
 
 
-def compute_policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                              config=None, rollout_log_probs=None, *, loss_scale: LossScale | None = None):
-    """CISPO (MiniMax-M1): clip the importance weight, not the update: ``-sg(clip(r, max=1+eps_high)) * A * log_prob``."""
-    neg_kl, ratio = _prepare(old_log_prob, log_prob, advantages, response_mask)
-    _, high = _clip_range(config)
-    weight = ratio.clamp(max=1 + high).detach()
-    losses = -weight * advantages * log_prob
-    loss = agg_loss(losses, response_mask, loss_agg_mode, loss_scale=loss_scale)
-    metrics = _ratio_metrics(ratio, neg_kl, response_mask)
-    metrics["pg_clipfrac"] = float(masked_mean((ratio > 1 + high).float(), response_mask))
+def _centred_cov(advantages: torch.Tensor, log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token ``(A - mean A)(log p - mean log p)`` with means over the masked tokens."""
+    logp = log_prob.detach()
+    return (advantages - masked_mean(advantages, mask)) * (logp - masked_mean(logp, mask))
+
+
+def compute_policy_loss_clip_cov(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                                 response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
+                                 rollout_log_probs: torch.Tensor | None = None, *,
+                                 loss_scale: LossScale | None = None, rollout_is_weights: torch.Tensor | None = None,
+                                 ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clip-Cov: PPO clip, and the gradient of ``max(1, clip_cov_ratio * #tokens)`` random tokens whose
+    centred cov(A, log p) lies in ``(clip_cov_lb, clip_cov_ub)`` (and that the ratio clip left alone) is cut."""
+    _check(old_log_prob, log_prob, advantages, response_mask, loss_scale, rollout_log_probs)
+    low, high = clip_range(config)
+    frac = float(policy_option(config, "clip_cov_ratio", 0.0002))
+    lb, ub = float(policy_option(config, "clip_cov_lb", 1.0)), float(policy_option(config, "clip_cov_ub", 5.0))
+    if frac <= 0:
+        raise ValueError(f"policy_loss.clip_cov_ratio must be > 0, got {frac}")
+    neg_kl = _log_ratio(old_log_prob, log_prob)
+    loss1, loss2, clipped = _ppo_clip(advantages, neg_kl.exp(), low, high)
+    valid = response_mask > 0
+    cov = _centred_cov(advantages, log_prob, response_mask)
+    candidates = ((cov > lb) & (cov < ub) & valid & ~(loss2 > loss1)).nonzero()
+    n_cut = min(max(int(frac * int(valid.sum())), 1), len(candidates))
+    keep = torch.ones_like(clipped)
+    if n_cut:
+        pick = candidates[torch.randperm(len(candidates), device=candidates.device)[:n_cut]]
+        keep[pick[:, 0], pick[:, 1]] = 0
+    tis = truncated_is_weights(old_log_prob, rollout_log_probs, config, rollout_is_weights)
+    loss = _aggregate(clipped * keep, response_mask, loss_agg_mode, config, loss_scale, tis)
+    metrics = _ratio_metrics(neg_kl, response_mask)
+    metrics["pg_clipfrac"] = float(masked_mean((keep == 0).float(), response_mask))
+    metrics["pg_clipfrac_ratio"] = float(masked_mean((loss2 > loss1).float(), response_mask))
     return loss, metrics
 
 
-def compute_policy_loss_sapo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                             config=None, rollout_log_probs=None, *, loss_scale: LossScale | None = None):
-    """SAPO: a smooth sigmoid gate instead of a hard clip, ``f(r) = 4/tau * sigmoid(tau (r - 1))``,
-    with temperatures ``tau_pos`` / ``tau_neg`` for positive / negative advantages."""
-    neg_kl, ratio = _prepare(old_log_prob, log_prob, advantages, response_mask)
-    tau_pos = float(_policy_cfg(config, "tau_pos", 1.0))
-    tau_neg = float(_policy_cfg(config, "tau_neg", 1.05))
-    tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
-    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
-    losses = -gate * advantages
-    loss = agg_loss(losses, response_mask, loss_agg_mode, loss_scale=loss_scale)
-    metrics = _ratio_metrics(ratio, neg_kl, response_mask)
+def compute_policy_loss_kl_cov(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                               response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
+                               rollout_log_probs: torch.Tensor | None = None, *, loss_scale: LossScale | None = None,
+                               rollout_is_weights: torch.Tensor | None = None,
+                               ) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL-Cov: ``-A r``, plus ``ppo_kl_coef * |log p - log p_old|`` on the ``max(1, kl_cov_ratio * #tokens)``
+    tokens with the largest centred cov(A, log p)."""
+    _check(old_log_prob, log_prob, advantages, response_mask, loss_scale, rollout_log_probs)
+    frac = float(policy_option(config, "kl_cov_ratio", 0.0002))
+    coef = float(policy_option(config, "ppo_kl_coef", 0.1))
+    if frac <= 0:
+        raise ValueError(f"policy_loss.kl_cov_ratio must be > 0, got {frac}")
+    neg_kl = _log_ratio(old_log_prob, log_prob)
+    losses = -advantages * neg_kl.exp()
+    valid = response_mask > 0
+    n_valid = int(valid.sum())
+    if n_valid:
+        cov = _centred_cov(advantages, log_prob, response_mask).masked_fill(~valid, float("-inf"))
+        top = torch.topk(cov.flatten(), max(int(frac * n_valid), 1)).indices
+        penalised = torch.zeros(losses.numel(), dtype=torch.bool, device=losses.device)
+        penalised[top] = True
+        losses = losses + coef * neg_kl.abs() * penalised.view_as(losses)
+    tis = truncated_is_weights(old_log_prob, rollout_log_probs, config, rollout_is_weights)
+    loss = _aggregate(losses, response_mask, loss_agg_mode, config, loss_scale, tis)
+    metrics = _ratio_metrics(neg_kl, response_mask)
+    metrics["ppo_kl_abs"] = float(masked_mean(neg_kl.detach().abs(), response_mask))
     metrics["pg_clipfrac"] = 0.0
     return loss, metrics
 
 
-def compute_policy_loss_geo_mean(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                                 config=None, rollout_log_probs=None, *, loss_scale: LossScale | None = None):
-    """GMPO: the geometric mean of token ratios per sequence, clipped token-wise in log space."""
-    neg_kl, ratio_tok = _prepare(old_log_prob, log_prob, advantages, response_mask)
-    low, high = _clip_range(config)
+def compute_policy_loss_cispo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                              response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
+                              rollout_log_probs: torch.Tensor | None = None, *, loss_scale: LossScale | None = None,
+                              rollout_is_weights: torch.Tensor | None = None,
+                              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO: clip the importance weight, not the update: ``-sg(clip(r, 1-low, 1+high)) A log p``.
+
+    As in verl both bounds come from ``clip_ratio_low/high``; the paper's "no lower
+    bound" is ``clip_ratio_low: 1.0``.
+    """
+    _check(old_log_prob, log_prob, advantages, response_mask, loss_scale, rollout_log_probs)
+    low, high = clip_range(config)
+    neg_kl = _log_ratio(old_log_prob, log_prob)
+    ratio = neg_kl.exp()
+    weight = ratio.clamp(1 - low, 1 + high).detach()
+    tis = truncated_is_weights(old_log_prob, rollout_log_probs, config, rollout_is_weights)
+    loss = _aggregate(-weight * advantages * log_prob, response_mask, loss_agg_mode, config, loss_scale, tis)
+    metrics = _ratio_metrics(neg_kl, response_mask)
+    metrics["pg_clipfrac"] = float(masked_mean((ratio.detach() != weight).float(), response_mask))
+    metrics["pg_clipfrac_lower"] = 0.0
+    return loss, metrics
+
+
+def compute_policy_loss_sapo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                             response_mask: torch.Tensor, loss_agg_mode: str = "seq-mean-token-mean",
+                             config: Any = None, rollout_log_probs: torch.Tensor | None = None, *,
+                             loss_scale: LossScale | None = None, rollout_is_weights: torch.Tensor | None = None,
+                             ) -> tuple[torch.Tensor, dict[str, float]]:
+    """SAPO: a smooth gate instead of a hard clip, ``-A * 4/tau * sigmoid(tau (r - 1))``.
+
+    ``tau = tau_pos`` (1.0) where ``A > 0``, else ``tau_neg`` (1.05). Always
+    aggregated ``seq-mean-token-mean``, as in the paper and verl.
+    """
+    _check(old_log_prob, log_prob, advantages, response_mask, loss_scale, rollout_log_probs)
+    tau_pos = float(policy_option(config, "tau_pos", 1.0))
+    tau_neg = float(policy_option(config, "tau_neg", 1.05))
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"SAPO temperatures tau_pos={tau_pos}, tau_neg={tau_neg} must be > 0")
+    neg_kl = _log_ratio(old_log_prob, log_prob)
+    tau = torch.where(advantages > 0, tau_pos, tau_neg).to(log_prob.dtype)
+    gate = torch.sigmoid(tau * (neg_kl.exp() - 1)) * 4 / tau
+    tis = truncated_is_weights(old_log_prob, rollout_log_probs, config, rollout_is_weights)
+    loss = _aggregate(-gate * advantages, response_mask, "seq-mean-token-mean", config, loss_scale, tis)
+    metrics = _ratio_metrics(neg_kl, response_mask)
+    metrics["pg_clipfrac"] = 0.0
+    metrics["pg_clipfrac_lower"] = 0.0
+    return loss, metrics
+
+
+def compute_policy_loss_geo_mean(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                                 response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
+                                 rollout_log_probs: torch.Tensor | None = None, *,
+                                 loss_scale: LossScale | None = None, rollout_is_weights: torch.Tensor | None = None,
+                                 ) -> tuple[torch.Tensor, dict[str, float]]:
+    """GMPO: per sequence ``-mean_t(A) * exp(mean_t clip(log r_t))``, the clip sign-aware (pessimistic) per token.
+
+    A sequence-level loss: ``loss_agg_mode`` is ignored (as in verl); the mean is over
+    sequences with at least one token, or ``/ global_batch_size * dp_size`` with ``loss_scale``.
+    """
+    _check(old_log_prob, log_prob, advantages, response_mask, loss_scale, rollout_log_probs)
+    low, high = clip_range(config)
+    mask = response_mask.to(log_prob.dtype)
+    neg_kl = _log_ratio(old_log_prob, log_prob)
     sign = torch.sign(advantages)
     clamped = neg_kl.clamp(-low, high)
     pessimistic = sign * torch.minimum(sign * neg_kl, sign * clamped)
-    lengths = response_mask.sum(-1).clamp(min=1)
-    seq_ratio = torch.exp((pessimistic * response_mask).sum(-1) / lengths)
-    seq_adv = (advantages * response_mask).sum(-1) / lengths
+    lengths = mask.sum(-1).clamp(min=1)
+    seq_ratio = torch.exp((pessimistic * mask).sum(-1) / lengths)
+    seq_adv = (advantages * mask).sum(-1) / lengths
     per_seq = -seq_adv * seq_ratio
-    valid = (response_mask.sum(-1) > 0).to(per_seq.dtype)
-    if loss_scale is not None and loss_scale.global_batch_size:
+    tis = truncated_is_weights(old_log_prob, rollout_log_probs, config, rollout_is_weights)
+    if tis is not None:  # token weights -> one per sequence: their geometric mean (verl)
+        per_seq = per_seq * torch.exp((torch.log(tis + 1e-10) * mask).sum(-1) / lengths)
+    valid = (mask.sum(-1) > 0).to(per_seq.dtype)
+    if loss_scale is not None and loss_scale.global_batch_size is not None:
         loss = (per_seq * valid).sum() / loss_scale.global_batch_size * loss_scale.dp_size
     else:
         loss = (per_seq * valid).sum() / valid.sum().clamp(min=1)
-    metrics = _ratio_metrics(ratio_tok, neg_kl, response_mask)
-    metrics["pg_clipfrac"] = float(masked_mean((clamped != neg_kl).float(), response_mask))
+    clipped = (clamped != neg_kl).detach()
+    metrics = _ratio_metrics(neg_kl, response_mask)
+    metrics["pg_clipfrac"] = float(masked_mean((clipped & (advantages > 0)).float(), response_mask))
+    metrics["pg_clipfrac_lower"] = float(masked_mean((clipped & (advantages < 0)).float(), response_mask))
     return loss, metrics
 
 
+#: name -> function; registered by polyrl.algorithms.hooks
 BUILTIN_POLICY_LOSSES = {
     "vanilla": compute_policy_loss_vanilla,
     "gspo": compute_policy_loss_gspo,

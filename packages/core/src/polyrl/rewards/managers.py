@@ -31,14 +31,19 @@ class NaiveRewardManager:
         self._warned = False
 
     def _decode(self, batch: TensorDict) -> tuple[list[str], torch.Tensor]:
+        """Response texts and the length of each valid response (its last valid token is at ``length - 1``).
+
+        Valid = non-padding (the response part of ``attention_mask``; ``response_mask`` without it), so
+        tool tokens between model turns are decoded too.
+        """
         responses, mask = batch["responses"], batch["response_mask"]
-        lengths = mask.sum(-1).long()
-        # decode every generated token up to the last valid one (masked tool tokens included)
         valid = batch["attention_mask"][:, -responses.shape[1]:] if "attention_mask" in batch.keys() else mask
-        last = valid.long().cumsum(-1).argmax(-1)
+        valid = valid.long()
+        # position of the last valid token + 1 (0 for an empty response)
+        lengths = torch.where(valid.any(-1), valid.cumsum(-1).argmax(-1) + 1, torch.zeros_like(valid[:, 0]))
         texts = [
-            self.tokenizer.decode(responses[i, : int(last[i]) + 1].tolist(), skip_special_tokens=True)
-            if valid[i].any() else "" for i in range(responses.shape[0])
+            self.tokenizer.decode(responses[i, : int(lengths[i])].tolist(), skip_special_tokens=True)
+            for i in range(responses.shape[0])
         ]
         return texts, lengths
 
@@ -80,7 +85,7 @@ class NaiveRewardManager:
         token_scores = torch.zeros(batch["responses"].shape, dtype=torch.float32)
         rows = torch.arange(len(scores))
         last = (lengths - 1).clamp(min=0)
-        token_scores[rows, last] = scores_t
+        token_scores[rows, last] = torch.where(lengths > 0, scores_t, torch.zeros_like(scores_t))
         extra["score"] = scores
         return RewardOutput(token_scores, extra, {"reward/failures": float(failures)})
 
@@ -120,9 +125,10 @@ class DAPORewardManager(NaiveRewardManager):
             return out
         budget = cfg.max_response_length or batch["responses"].shape[1]
         expected = budget - cfg.overlong_buffer_len
-        lengths = batch["response_mask"].sum(-1).float()
+        _, valid_lengths = self._decode(batch)
+        lengths = valid_lengths.float()
         penalty = (-(lengths - expected) / cfg.overlong_buffer_len * cfg.overlong_penalty_factor).clamp(max=0)
-        last = (lengths.long() - 1).clamp(min=0)
+        last = (valid_lengths - 1).clamp(min=0)
         out.token_level_scores[torch.arange(len(last)), last] += penalty
         out.extra["overlong_penalty"] = penalty.tolist()
         out.metrics["reward/overlong_penalty_mean"] = float(penalty.mean())

@@ -37,10 +37,12 @@ class HFRollout:
         self.max_batch_size = getattr(config, "max_batch_size", 64)
         self.eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self._params = dict(self.model.named_parameters())
+        # remove_duplicate=False: a tied lm_head is reachable under both of its names
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
 
     # ------------------------------------------------------------------ generation
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """``n`` results per request, flattened in request order; ``ValueError`` if one exceeds the model length."""
         for i, req in enumerate(requests):
             total = len(req.prompt_ids) + req.sampling_params.max_new_tokens
             if total > self.max_model_len:
@@ -49,6 +51,11 @@ class HFRollout:
                     f"({req.sampling_params.max_new_tokens}) = {total} exceeds the model length {self.max_model_len}"
                 )
         expanded = [(req, k) for req in requests for k in range(req.sampling_params.n)]
+        # one generator per call, seeded by the first seeded request: consecutive chunks continue
+        # its stream instead of replaying it (identical prompts in two chunks must not get identical samples)
+        seed = next((r.sampling_params.seed for r in requests if r.sampling_params.seed is not None), None)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**31, (1,))))
         results: list[GenerationResult] = []
         # Requests with the same sampling params are generated together.
         start = 0
@@ -57,12 +64,13 @@ class HFRollout:
             end = start
             while end < len(expanded) and end - start < self.max_batch_size and expanded[end][0].sampling_params == params:
                 end += 1
-            results += self._generate_batch(expanded[start:end], params)
+            results += self._generate_batch(expanded[start:end], params, generator)
             start = end
         return results
 
     @torch.inference_mode()
-    def _generate_batch(self, items: list[tuple[GenerationRequest, int]], params: SamplingParams) -> list[GenerationResult]:
+    def _generate_batch(self, items: list[tuple[GenerationRequest, int]], params: SamplingParams,
+                        generator: torch.Generator) -> list[GenerationResult]:
         prompts = [list(req.prompt_ids) for req, _ in items]
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -71,8 +79,6 @@ class HFRollout:
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**31, (1,))))
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         b = len(prompts)
         out_tokens = torch.full((b, params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
@@ -101,7 +107,7 @@ class HFRollout:
                 break
             cur_ids = token.unsqueeze(-1)
             cur_pos = cur_pos[:, -1:] + 1
-            attn = torch.cat([attn, (~done).long().unsqueeze(-1) | 1], dim=-1)
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)  # finished rows' tokens are discarded
         results = []
         for i, (req, k) in enumerate(items):
             n = int(lengths[i])
@@ -116,10 +122,12 @@ class HFRollout:
         return results
 
     async def agenerate(self, request: GenerationRequest) -> list[GenerationResult]:
+        """``generate([request])`` in a worker thread (no native async engine: prefer ``BatchingClient``)."""
         return await asyncio.to_thread(self.generate, [request])
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in; every name and shape is checked before any weight changes."""
         staged = []
         for name, tensor in named_tensors:
             param = self._params.get(name)

@@ -16,31 +16,59 @@ from polyrl.registry import PluginInfo
 class PluginHarness:
     """A fresh plugin manager (built-ins only) that is the process-wide one during a test.
 
-    ``register(plugin)`` adds a hooks module or object for the test; everything is
-    dropped when the test ends. ``pm`` is the :class:`~polyrl.plugins.PluginManager`.
+    ``register(plugin)`` adds a hooks module or object for the test and ``remove(name)``
+    drops it again; whatever is still registered is dropped when the test ends, because
+    the whole manager is. ``pm`` is the :class:`~polyrl.plugins.PluginManager`; code
+    under test that calls :func:`polyrl.plugins.get_plugin_manager` sees it.
     """
 
     def __init__(self, pm: PluginManager) -> None:
         self.pm = pm
 
-    def register(self, plugin: ModuleType | object, name: str | None = None) -> PluginInfo:
-        """Load ``plugin``'s hooks into the test's plugin manager; returns its PluginInfo."""
+    def register(self, plugin: ModuleType | object, name: str | None = None, *,
+                 distribution: str | None = None, version: str | None = None) -> PluginInfo:
+        """Load ``plugin``'s hooks into the test's plugin manager, as an entry point would.
+
+        ``name`` defaults to the module's name (or the object's class name);
+        ``distribution``/``version`` show up in error messages and ``describe()``.
+        Raises what loading raises: :class:`~polyrl.errors.PluginLoadError` for a
+        misspelled hook, :class:`~polyrl.errors.RegistryError` for a duplicate name.
+        """
         name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
-        info = PluginInfo(name, None, None, getattr(plugin, "__name__", None))
+        module = plugin.__name__ if isinstance(plugin, ModuleType) else type(plugin).__module__
+        info = PluginInfo(name, distribution, version, module)
         self.pm.add_plugin(plugin, info)
         return info
 
+    def remove(self, name: str) -> None:
+        """Unregister plugin ``name`` and every name it registered."""
+        if name not in self.pm.plugins:
+            raise KeyError(f"no plugin '{name}' is loaded; loaded: {', '.join(self.pm.plugins)}")
+        self.pm.remove_plugin(name)
+
     def get(self, kind: str, name: str) -> Any:
-        """Shortcut for ``pm.get(kind, name)``."""
+        """Shortcut for ``pm.get(kind, name)``: the loaded object, or a RegistryError."""
         return self.pm.get(kind, name)
+
+    def names(self, kind: str) -> list[str]:
+        """The names registered for ``kind`` (sorted)."""
+        return self.pm.registry(kind).names()
 
 
 @pytest.fixture
-def polyrl_plugins() -> Iterator[PluginHarness]:
-    """A :class:`PluginHarness`: register your plugin, then look its names up as polyrl would."""
+def polyrl_plugin_manager() -> Iterator[PluginManager]:
+    """A fresh :class:`~polyrl.plugins.PluginManager` with polyrl's built-ins only (no entry points),
+    made the process-wide one (``get_plugin_manager()``) for the duration of the test."""
     pm = PluginManager(None, entry_points=False)
     with use_plugin_manager(pm):
-        yield PluginHarness(pm)
+        yield pm
+
+
+@pytest.fixture
+def polyrl_plugins(polyrl_plugin_manager: PluginManager) -> PluginHarness:
+    """A :class:`PluginHarness` over :func:`polyrl_plugin_manager`: register your plugin, then look its
+    names up as polyrl would. Everything registered is gone after the test."""
+    return PluginHarness(polyrl_plugin_manager)
 
 
 @pytest.fixture(scope="session")

@@ -1,15 +1,43 @@
-"""Conformance suite for platforms. Provide a ``platform`` fixture (an available platform)."""
+"""Conformance suite for platforms.
+
+Provide a ``platform`` fixture returning an *available* platform instance (skip the
+class where the device is absent):
+
+```python
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+class TestCUDA(PlatformConformance):
+    @pytest.fixture
+    def platform(self):
+        return CUDAPlatform()
+```
+"""
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
+import torch.distributed as dist
+
+KNOWN_BACKENDS = ("gloo", "nccl", "hccl", "xccl", "mccl", "cncl")
 
 
 class PlatformConformance:
     """What every platform promises (see :class:`polyrl.protocols.Platform`)."""
 
     def test_names(self, platform):
-        assert platform.name and platform.device_type and platform.dist_backend in ("gloo", "nccl", "hccl", "xccl")
+        assert isinstance(platform.name, str) and platform.name
+        assert isinstance(platform.device_type, str) and platform.device_type
+        torch.device(platform.device_type)  # a device type torch knows
+        assert platform.dist_backend in KNOWN_BACKENDS, platform.dist_backend
+
+    def test_worker_placement_attributes(self, platform):
+        # The controller sets visible_devices_env per worker and asks Ray for ray_resource.
+        env, resource = platform.visible_devices_env, platform.ray_resource
+        assert env is None or (isinstance(env, str) and env.isupper()), env
+        assert resource is None or (isinstance(resource, str) and resource), resource
+        assert (env is None) == (resource is None), "a device needing a Ray resource also needs a visibility env var"
 
     def test_available_and_device(self, platform):
         assert platform.is_available()
@@ -20,8 +48,28 @@ class PlatformConformance:
         assert torch.ones(2, device=device).sum().item() == 2
 
     def test_memory_and_cache(self, platform):
-        platform.empty_cache()
+        platform.set_device(0)
+        keep = torch.ones(1024, 1024, device=platform.current_device())
         stats = platform.memory_stats()
-        assert all(isinstance(v, float) for v in stats.values())
+        assert isinstance(stats, dict)
+        assert all(isinstance(k, str) and isinstance(v, float) for k, v in stats.items()), stats
+        assert all(math.isfinite(v) and v >= 0 for v in stats.values()), stats
+        del keep
+        platform.empty_cache()
         platform.apply_patches()
         platform.apply_patches()  # idempotent
+
+    def test_dist_backend_runs_a_collective(self, platform, tmp_path):
+        """A one-process group on ``dist_backend`` all-reduces a tensor on ``current_device()``."""
+        if dist.is_initialized():
+            pytest.skip("a torch.distributed group is already initialised in this process")
+        platform.set_device(0)
+        device = platform.current_device()
+        dist.init_process_group(platform.dist_backend, init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                                world_size=1)
+        try:
+            t = torch.full((3,), 2.0, device=device)
+            dist.all_reduce(t)
+            assert t.device.type == platform.device_type and t.tolist() == [2.0, 2.0, 2.0]
+        finally:
+            dist.destroy_process_group()

@@ -1,0 +1,103 @@
+"""Every built-in estimator and policy loss passes the conformance suite of its protocol."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polyrl.algorithms import get_adv_estimator_fn, get_policy_loss_fn
+from polyrl.testing import AdvantageEstimatorConformance, PolicyLossConformance
+
+EXTRA_KWARGS = {
+    "gae": {"values": lambda b, r: torch.randn(b, r), "gamma": 0.9, "lam": 0.95},
+    "remax": {"reward_baselines": lambda b, r: torch.rand(b)},
+}
+
+
+@pytest.fixture(params=["gae", "grpo", "grpo_passk", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                        "remax", "opo", "gpg"])
+def estimator_name(request):
+    return request.param
+
+
+class TestBuiltinEstimators(AdvantageEstimatorConformance):
+    @pytest.fixture
+    def estimator(self, estimator_name):
+        return get_adv_estimator_fn(estimator_name)
+
+    @pytest.fixture
+    def estimator_kwargs(self, estimator_name):
+        return EXTRA_KWARGS.get(estimator_name, {})
+
+
+class TestVanilla(PolicyLossConformance):
+    config = {"clip_ratio": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0}
+
+    @pytest.fixture
+    def policy_loss(self):
+        return get_policy_loss_fn("vanilla")
+
+
+class TestVanillaWithTruncatedIS(TestVanilla):
+    config = {"clip_ratio": 0.2, "policy_loss": {"tis_imp_ratio_cap": 2.0}}
+
+
+class TestGSPO(PolicyLossConformance):
+    config = {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
+    on_policy_agg_mode = "seq-mean-token-mean"
+
+    @pytest.fixture
+    def policy_loss(self):
+        return get_policy_loss_fn("gspo")
+
+
+class TestGPG(PolicyLossConformance):
+    @pytest.fixture
+    def policy_loss(self):
+        return get_policy_loss_fn("gpg")
+
+
+class TestClipCov(PolicyLossConformance):
+    # a ratio large enough that some tokens are cut in these small batches
+    config = {"clip_ratio": 0.2, "policy_loss": {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.0, "clip_cov_ub": 5.0}}
+    split_invariant = False
+    on_policy_agg_mode = None
+
+    @pytest.fixture
+    def policy_loss(self):
+        return get_policy_loss_fn("clip_cov")
+
+
+class TestKLCov(PolicyLossConformance):
+    config = {"policy_loss": {"kl_cov_ratio": 0.2, "ppo_kl_coef": 1.0}}
+    split_invariant = False
+
+    @pytest.fixture
+    def policy_loss(self):
+        return get_policy_loss_fn("kl_cov")
+
+
+class TestCISPO(PolicyLossConformance):
+    config = {"clip_ratio_low": 1.0, "clip_ratio_high": 0.28}
+
+    @pytest.fixture
+    def policy_loss(self):
+        return get_policy_loss_fn("cispo")
+
+
+class TestSAPO(PolicyLossConformance):
+    config = {"tau_pos": 1.0, "tau_neg": 1.05}
+    on_policy_agg_mode = "seq-mean-token-mean"
+
+    @pytest.fixture
+    def policy_loss(self):
+        return get_policy_loss_fn("sapo")
+
+
+class TestGeoMean(PolicyLossConformance):
+    config = {"clip_ratio": 0.4}
+    on_policy_agg_mode = "seq-mean-token-mean"
+
+    @pytest.fixture
+    def policy_loss(self):
+        return get_policy_loss_fn("geo_mean")
