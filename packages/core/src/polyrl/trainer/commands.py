@@ -48,7 +48,12 @@ def train(manifest: str | Path | Manifest | None = None, configs: Sequence[str |
 
     manifest, pm = _plugins(manifest)
     config = load_config(PolyrlConfig, configs, overrides, base=base, plugins=pm)
-    sections = ["actor", "rollout"] + (["critic"] if config.algorithm.adv_estimator == "gae" else [])
+    try:
+        estimator = pm.entry("advantage_estimator", config.algorithm.adv_estimator)
+    except LookupError as exc:
+        raise ConfigError(f"config key 'algorithm.adv_estimator': {exc}") from None
+    needs_critic = config.algorithm.adv_estimator == "gae" or estimator.metadata.get("needs_values")
+    sections = ["actor", "rollout"] + (["critic"] if needs_critic else [])
     _check_names(config, pm, sections)
     trainer_name = "ppo"
     factory = pm.get("trainer", trainer_name) if trainer_name in pm.registry("trainer") else PPOTrainer

@@ -19,9 +19,10 @@ from polyrl.protocols import LossScale
 def make_actor_loss(cfg: Any):
     """PPO-family policy loss + optional entropy bonus + optional KL-to-reference loss."""
     from polyrl.algorithms import agg_loss, get_policy_loss_fn, kl_penalty
+    from polyrl.algorithms.policy_losses import policy_option
 
     policy_loss_fn = get_policy_loss_fn(cfg.policy_loss.loss_mode)
-    use_tis = bool(getattr(cfg.policy_loss, "tis_imp_ratio_cap", 0))
+    use_tis = bool(policy_option(cfg, "tis_imp_ratio_cap", 0))
 
     def actor_loss(out: Mapping[str, torch.Tensor], mb: TensorDict, scale: LossScale):
         mask = mb["response_mask"]

@@ -87,7 +87,8 @@ class PPOTrainer:
         compute_score = load_compute_score(cfg.reward.function)
         manager = self.pm.get("reward_manager", cfg.reward.manager)
         self.reward_fn = manager(tokenizer=self.tokenizer, compute_score=compute_score, config=cfg.reward)
-        self.use_critic = cfg.algorithm.adv_estimator in _NEEDS_CRITIC
+        entry = self.pm.entry("advantage_estimator", cfg.algorithm.adv_estimator)
+        self.use_critic = bool(entry.metadata.get("needs_values")) or cfg.algorithm.adv_estimator in _NEEDS_CRITIC
         kl_used = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         enable = str(cfg.ref.enable).lower()
         self.use_ref = enable == "true" or (enable == "auto" and kl_used)
@@ -299,7 +300,7 @@ class PPOTrainer:
         metrics["throughput/tokens_per_s"] = tokens / max(timing["step"], 1e-9)
         metrics["throughput/gen_tokens_per_s"] = float(batch["response_mask"].sum()) / max(timing["gen"], 1e-9)
         if self.kl_ctrl is not None:
-            self.kl_ctrl.update(metrics.get("actor/reward_kl_penalty", 0.0), n_steps=cfg.data.train_batch_size)
+            self.kl_ctrl.update(metrics.get("actor/reward_kl_penalty", 0.0), n_steps=batch.batch_size[0])
         return metrics
 
     def _generate(self, rows: list[dict], n: int, *, validate: bool) -> TensorDict:
