@@ -79,3 +79,14 @@ def test_grpo_split_placement(base_overrides, manifest_file, tmp_path):
     rows = _check_run(tmp_path / "run", 2)
     # the rollout samples from the synced actor: its log-probs match the actor's recomputation
     assert all(r["rollout/logprob_diff_mean"] < 1e-4 for r in rows)
+
+
+def test_dapo_dynamic_sampling_and_overlong_penalty(base_overrides, manifest_file, tmp_path):
+    """Groups whose samples all got the same reward are dropped and the batch refilled."""
+    train(manifest_file, [], base_overrides + [
+        "trainer.executor=local", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score",
+        "algorithm.filter_groups.max_num_gen_batches=4", "reward.manager=dapo", "reward.overlong_buffer_enable=true",
+        "reward.overlong_buffer_len=2",
+    ])
+    rows = _check_run(tmp_path / "run", 2)
+    assert all(r["train/gen_rounds"] >= 1 for r in rows)

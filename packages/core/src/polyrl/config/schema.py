@@ -205,15 +205,6 @@ class SFTConfig:
     response_key: str = "response"
 
 
-# Copy `model` into roles that did not set their own: one model block for the common case.
-ROLE_SECTIONS = ("actor", "critic")
-
-
-def unset(value: Any) -> bool:
-    """Whether a string field still holds OmegaConf's missing marker."""
-    return value in (None, "", "???")
-
-
 __all__ = [
     "ActorConfig",
     "AlgorithmConfig",

@@ -13,7 +13,6 @@ live in worker groups (:mod:`polyrl.controller`).
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections import defaultdict
@@ -448,8 +447,8 @@ def _fit_to_groups(batch: TensorDict, groups: int, n: int, n_workers: int, mini:
     """Trim a filtered batch to whole groups that split evenly over workers and mini-batches."""
     have = batch.batch_size[0] // n
     take = min(have, groups)
-    unit = math.lcm(max(1, mini), 1)
-    take = max(unit, take - take % unit) if take >= unit else take
+    unit = max(1, mini)  # whole mini-batches when there are enough groups
+    take = take - take % unit if take >= unit else take
     while take > 0 and (take * n) % n_workers:
         take -= 1
     if take == 0:
