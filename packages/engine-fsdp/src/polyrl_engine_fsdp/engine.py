@@ -346,19 +346,23 @@ class FSDPEngine:
     def _fingerprint(self) -> str:
         return ";".join(f"{n}:{tuple(p.shape)}" for n, p in self.module.named_parameters())
 
+    def _dcp_state(self) -> dict[str, Any]:
+        """Model (and optimizer) state dicts in the form torch.distributed.checkpoint saves and loads."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if self.optimizer is None:
+            return {"model": get_state_dict(self.module, [])[0]}
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
     def save_checkpoint(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         final = Path(path)
         token = [uuid.uuid4().hex[:8] if self._rank == 0 else None]
         dist.broadcast_object_list(token, src=0)
         tmp = final.parent / f"{final.name}.tmp-{token[0]}"
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer) if self.optimizer else (
-            get_state_dict(self.module, [])[0], {})
-        state: dict[str, Any] = {"model": model_sd}
-        if self.optimizer is not None:
-            state["optim"] = optim_sd
+        state = self._dcp_state()
         dcp.save(state, checkpoint_id=str(tmp))
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
@@ -380,7 +384,7 @@ class FSDPEngine:
 
     def load_checkpoint(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         folder = Path(path)
         meta_file = folder / "meta.json"
@@ -393,11 +397,7 @@ class FSDPEngine:
         if meta["fingerprint"] != self._fingerprint():
             raise CheckpointError(f"checkpoint {folder} holds a different model (parameter names/shapes differ from "
                                   f"{self.role}.model.path={self.config.model.path})")
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer) if self.optimizer else (
-            get_state_dict(self.module, [])[0], {})
-        state: dict[str, Any] = {"model": model_sd}
-        if self.optimizer is not None:
-            state["optim"] = optim_sd
+        state = self._dcp_state()
         dcp.load(state, checkpoint_id=str(folder))
         if self.optimizer is not None:
             set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -17,6 +17,7 @@ import torch
 
 from polyrl.errors import PolyrlError
 from polyrl.protocols import GenerationRequest, GenerationResult, RolloutCapabilities, SamplingParams
+from polyrl.rollout.limits import check_model_length
 from polyrl_rollout_vllm.config import VLLMConfig
 
 INSTALL_HINT = ("pip install 'polyrl-rollout-vllm[cuda]' on a CUDA machine, or 'polyrl-rollout-vllm[cpu]' "
@@ -101,14 +102,7 @@ class VLLMRollout:
         return self._vllm.SamplingParams(**kw)
 
     def _check(self, requests: Sequence[GenerationRequest]) -> None:
-        for i, req in enumerate(requests):
-            total = len(req.prompt_ids) + req.sampling_params.max_new_tokens
-            if total > self.max_model_len:
-                raise ValueError(
-                    f"request {req.request_id or i}: prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
-                    f"({req.sampling_params.max_new_tokens}) = {total} exceeds rollout.max_model_len "
-                    f"{self.max_model_len}"
-                )
+        check_model_length(requests, self.max_model_len, "rollout.max_model_len")
 
     def _results(self, req: GenerationRequest, output: Any) -> list[GenerationResult]:
         results = []

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from polyrl.protocols import GenerationRequest, GenerationResult, RolloutCapabilities, SamplingParams
+from polyrl.rollout.limits import check_model_length
 
 
 class HFRollout:
@@ -43,13 +44,7 @@ class HFRollout:
     # ------------------------------------------------------------------ generation
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """``n`` results per request, flattened in request order; ``ValueError`` if one exceeds the model length."""
-        for i, req in enumerate(requests):
-            total = len(req.prompt_ids) + req.sampling_params.max_new_tokens
-            if total > self.max_model_len:
-                raise ValueError(
-                    f"request {req.request_id or i}: prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
-                    f"({req.sampling_params.max_new_tokens}) = {total} exceeds the model length {self.max_model_len}"
-                )
+        check_model_length(requests, self.max_model_len)
         expanded = [(req, k) for req in requests for k in range(req.sampling_params.n)]
         # one generator per call, seeded by the first seeded request: consecutive chunks continue
         # its stream instead of replaying it (identical prompts in two chunks must not get identical samples)
