@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -327,7 +328,7 @@ class FSDPEngine:
     def _adapter_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.module.named_parameters():
             if ".lora_" in name:
-                yield _hf_name(name, keep_lora=True), _full(param)
+                yield _adapter_name(name), _full(param)
 
     def weights_for_rollout(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
         source = self._adapter_params() if self.lora and self.config.model.lora.sync == "adapter" else self._full_params()
@@ -421,7 +422,7 @@ class FSDPEngine:
             if adapter:
                 peft_cfg = self.module.model.peft_config["default"]
                 peft_cfg.save_pretrained(str(out))
-                save_file({f"base_model.model.{k}": v for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+                save_file(tensors, str(out / "adapter_model.safetensors"))
             else:
                 if getattr(self.hf_config, "tie_word_embeddings", False):
                     tensors.pop("lm_head.weight", None)
@@ -483,6 +484,15 @@ def _hf_name(name: str, keep_lora: bool = False) -> str:
         name = name[len("base_model.model."):]
     if not keep_lora:
         name = name.replace(".base_layer.", ".")
+    return name
+
+
+def _adapter_name(name: str) -> str:
+    """A LoRA parameter inside the engine -> its name in a peft ``adapter_model.safetensors``."""
+    name = name[len("model."):] if name.startswith("model.") else name  # the _Head wrapper
+    # peft drops the adapter name on save: ...q_proj.lora_A.default.weight -> ...q_proj.lora_A.weight
+    for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+        name = re.sub(rf"\.{part}\.[^.]+\.", f".{part}.", name)
     return name
 
 
