@@ -3,7 +3,10 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_fsdp_dynamic_bsz.py [--size small] [--steps 3]
 
 Same model, same batch of prompts/responses of mixed lengths (a few long, many short), same number of
-sequences per step; reported: trained tokens/s of each and the ratio, and peak RSS (this is a CPU run).
+sequences per step; reported: trained tokens/s of each mode, its ratio to fixed micro-batches, and peak
+RSS (this is a CPU run; each mode runs in its own process so the peak is its own). Modes: fixed padded
+micro-batches, dynamic micro-batches by a token budget, and dynamic micro-batches of packed sequences
+(``use_remove_padding``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,14 @@ from polyrl.config.roles import EngineRoleConfig, ModelConfig, OptimConfig  # no
 from polyrl.models.tiny import make_tiny_model  # noqa: E402
 from polyrl.protocols import AgentLoopOutput  # noqa: E402
 
+#: fixed: 8 sequences per micro-batch (all-padding columns trimmed); dynamic: first-fit by a token budget of
+#: padded tokens; packed: the same budget of real tokens, sequences concatenated without padding
+MODES = {
+    "fixed": {"micro_batch_size": 8},
+    "dynamic": {"use_dynamic_bsz": True},
+    "dynamic+packed": {"use_dynamic_bsz": True, "use_remove_padding": True},
+}
+
 
 def make_batch(rows: int, max_len: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
@@ -41,6 +52,7 @@ def make_batch(rows: int, max_len: int, seed: int = 0):
 
 
 def loss_fn(out, mb, scale):
+    """The token-mean policy-gradient loss with the engine's global normalisation."""
     return agg_loss(-out["log_probs"] * mb["advantages"], mb["response_mask"], "token-mean", loss_scale=scale), {}
 
 
@@ -62,13 +74,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--mode", choices=["fixed", "dynamic"], help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     budget = 8 * (64 + args.max_len) // 2
     if args.mode:  # one measurement per process, so peak memory is that mode's own
         batch = make_batch(args.rows, args.max_len)
-        kw = {"micro_batch_size": 8} if args.mode == "fixed" else {"use_dynamic_bsz": True, "max_token_len_per_gpu": budget}
+        kw = dict(MODES[args.mode], max_token_len_per_gpu=budget)
         rate = run(Path(args.model_dir), batch, args.steps, **kw)
         print(f"{rate} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}")
         return
@@ -77,16 +89,17 @@ def main() -> None:
 
     model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / args.size, size=args.size)
     results = {}
-    for mode in ("fixed", "dynamic"):
+    for mode in MODES:
         out = subprocess.run([sys.executable, __file__, "--mode", mode, "--model-dir", str(model_dir), "--size", args.size,
                               "--rows", str(args.rows), "--max-len", str(args.max_len), "--steps", str(args.steps)],
                              check=True, capture_output=True, text=True).stdout.split()
         results[mode] = (float(out[-2]), float(out[-1]))
-    (fixed, rss_f), (dynamic, rss_d) = results["fixed"], results["dynamic"]
-    print(f"model={args.size} rows={args.rows} max_len={args.max_len} (1 in 8 responses long)")
-    print(f"fixed micro-batches (8 rows):          {fixed:8.1f} tokens/s   peak RSS {rss_f:.2f} GiB")
-    print(f"dynamic micro-batches ({budget} tokens): {dynamic:8.1f} tokens/s   peak RSS {rss_d:.2f} GiB")
-    print(f"ratio dynamic/fixed: {dynamic / fixed:.2f}x   memory ratio: {rss_d / rss_f:.2f}x")
+    fixed, rss_f = results["fixed"]
+    print(f"model={args.size} rows={args.rows} max_len={args.max_len} (1 in 8 responses long), "
+          f"token budget {budget}")
+    for mode, (rate, rss) in results.items():
+        print(f"{mode:>15}: {rate:8.1f} tokens/s ({rate / fixed:.2f}x fixed)   peak RSS {rss:.2f} GiB "
+              f"({rss / rss_f:.2f}x fixed)")
 
 
 if __name__ == "__main__":

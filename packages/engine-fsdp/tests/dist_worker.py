@@ -27,45 +27,111 @@ def batch(seed: int = 0, rows: int = 8):
 
 
 def loss_fn(out, mb, scale):
-    from polyrl.algorithms import agg_loss
-
-    loss = agg_loss(-out["log_probs"] * mb["advantages"], mb["response_mask"], "token-mean", loss_scale=scale)
+    """Policy-gradient token mean, normalised by the mini-batch's global token count (as agg_loss does)."""
+    loss = (-out["log_probs"] * mb["advantages"] * mb["response_mask"]).sum() / scale.batch_num_tokens * scale.dp_size
     return loss, {"loss": float(loss.detach())}
 
 
-def make_engine(model_dir: str, **kw):
+def make_engine(model_dir: str, role: str = "actor", model_type: str = "causal_lm", platform=None, **kw):
+    """A small-lr fsdp engine over ``model_dir``; ``kw`` are EngineRoleConfig fields. CPU unless ``platform``."""
     from polyrl.config.roles import EngineRoleConfig, ModelConfig, OptimConfig
+    from polyrl.platforms import CPUPlatform
     from polyrl_engine_fsdp.engine import FSDPEngine
 
     # eps=1e-6: attention's k_proj bias has an exactly-zero true gradient, and with eps=1e-8 Adam turns its
     # float-rounding noise (which depends on the reduction order, i.e. the world size) into lr-sized steps.
     cfg = EngineRoleConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=kw.pop("lr", 1e-3), grad_clip=1.0, eps=1e-6),
                            micro_batch_size=kw.pop("micro_batch_size", 2), **kw)
-    return FSDPEngine(cfg, role="actor")
+    return FSDPEngine(cfg, role=role, model_type=model_type, platform=platform or CPUPlatform())
+
+
+def cuda_checks(model_dir: str, out: str) -> None:
+    """The engine on one CUDA device with nccl; writes what it measured to ``out/cuda.json``."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.platforms import CUDAPlatform
+    from polyrl_engine_fsdp.config import FSDPConfig
+
+    platform = CUDAPlatform()
+    platform.set_device(0)
+    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    b = batch(seed=0)
+    found: dict = {}
+    engine = make_engine(model_dir, platform=platform)
+    found["device"] = str(next(engine.module.parameters()).device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = b["input_ids"][0][b["attention_mask"][0].bool()][None]
+    n = int(b["response_mask"][0].sum())
+    with torch.no_grad():
+        ref = torch.log_softmax(model(ids).logits[0, -n - 1 : -1], -1).gather(-1, ids[0, -n:, None]).squeeze(-1)
+    before = engine.infer_batch(b)["log_probs"]
+    found["max_err_vs_cpu_transformers"] = float((before[0, :n] - ref).abs().max())
+    m = engine.train_batch(b, loss_fn)
+    found["grad_norm"] = m["actor/grad_norm"]
+    trained = engine.infer_batch(b)["log_probs"]
+    found["changed"] = not torch.allclose(before, trained)
+    engine.save_checkpoint(os.path.join(out, "ckpt"))
+    engine.train_batch(b, loss_fn)
+    engine.load_checkpoint(os.path.join(out, "ckpt"))
+    found["reload_err"] = float((engine.infer_batch(b)["log_probs"] - trained).abs().max())
+    sent = [t for bucket in engine.weights_for_rollout(1 << 16) for _, t in bucket]
+    found["sent_on_device"] = all(t.is_cuda for t in sent)
+    torch.cuda.synchronize()
+    on = torch.cuda.memory_allocated()
+    engine.offload()
+    found["offload_freed_bytes"] = on - torch.cuda.memory_allocated()
+    engine.onload()
+    found["onload_err"] = float((engine.infer_batch(b)["log_probs"] - trained).abs().max())
+    engine.train_batch(b, loss_fn)
+    mixed = make_engine(model_dir, platform=platform, use_dynamic_bsz=True, use_remove_padding=True,
+                        max_token_len_per_gpu=40, plugin_config=FSDPConfig(param_dtype="bfloat16", optimizer_offload=True))
+    m = mixed.train_batch(b, loss_fn)
+    found["bf16_packed_grad_norm"] = m["actor/grad_norm"]
+    found["bf16_err_vs_fp32"] = float((mixed.infer_batch(b)["log_probs"] - trained).abs().max())
+    state_devices = {str(v.device) for st in mixed.optimizer.state.values() for v in st.values() if torch.is_tensor(v)}
+    found["offloaded_optimizer_state_devices"] = sorted(state_devices)
+    with open(os.path.join(out, "cuda.json"), "w") as f:
+        json.dump(found, f)
+    torch.distributed.destroy_process_group()
 
 
 def main() -> None:
     rank, world, port, model_dir, out, scenario = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
                                                   sys.argv[5], sys.argv[6])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    if scenario == "cuda":
+        cuda_checks(model_dir, out)
+        return
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     # a small lr: Adam normalises away gradient scale, so the gradient norms (compared to 1e-6 relative)
     # are what catches a wrong reduction; the weights then agree to 1e-6 absolute
-    engine = make_engine(model_dir, lr=1e-4)
-    results = {"grad_norm": [], "loss": []}
+    # "dynamic": token-budget micro-batches over packed sequences; the budget gives the ranks different
+    # micro-batch counts, so the padding micro-batches that keep collectives in step are exercised
+    kw = {"use_dynamic_bsz": True, "use_remove_padding": True, "max_token_len_per_gpu": 20} if scenario == "dynamic" else {}
+    engine = make_engine(model_dir, lr=1e-4, **kw)
+    results: dict = {"grad_norm": [], "loss": []}
     for step in range(3):
         full = batch(seed=step)
         shard = full[rank * (8 // world) : (rank + 1) * (8 // world)]
         m = engine.train_batch(shard, loss_fn)
         results["grad_norm"].append(m["actor/grad_norm"])
-        results["loss"].append(m["loss"])
+        # the metric is this rank's mean over its micro-batches; the mini-batch loss is the sum over all / dp
+        real = [r for r in engine._split(shard, engine.config.use_dynamic_bsz) if r is not None]
+        total = torch.tensor([m["loss"] * len(real)], dtype=torch.float64)
+        torch.distributed.all_reduce(total)
+        results["loss"].append(float(total) / world)
+        counts = [None] * world
+        torch.distributed.all_gather_object(counts, len(real))
+        results.setdefault("micro_batches", []).append(counts)
         if scenario == "resume" and step == 0:
             engine.save_checkpoint(os.path.join(out, "ckpt"))
             engine = make_engine(model_dir, lr=1e-4)
             engine.load_checkpoint(os.path.join(out, "ckpt"))
     weights = {n: t.clone() for bucket in engine.weights_for_rollout(1 << 14) for n, t in bucket}
     if rank == 0:
-        torch.save({"results": results, "weights": weights}, os.path.join(out, f"result_{world}.pt"))
+        torch.save({"results": results, "weights": weights}, os.path.join(out, f"result_{world}_{scenario}.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

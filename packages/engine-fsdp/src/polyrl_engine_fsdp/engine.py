@@ -8,6 +8,7 @@ only, in chunks, so ``[tokens x vocab]`` logits never exist whole.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -31,13 +32,20 @@ from polyrl.protocols import LossScale
 from polyrl_engine_fsdp.config import FSDPConfig
 
 _NEEDED = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+#: transformers attention implementations that build per-sequence masks from restarting position_ids
+_PACKED_ATTENTION = {"sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"}
 
 
 # ---------------------------------------------------------------------------- the root module
 
 
 class _Head(nn.Module):
-    """Backbone + chunked LM head (log-probs / entropy) or value head, on response positions only."""
+    """Backbone + chunked LM head (log-probs / entropy) or value head, on the predicting positions only.
+
+    ``index`` picks, from the flattened ``[tokens, hidden]`` states, the position that predicts each
+    response token (position ``P - 1 + t`` for response token ``t``); ``targets`` are those tokens.
+    Outputs are flat ``[N]`` tensors, one entry per selected token.
+    """
 
     def __init__(self, model: nn.Module, model_type: str, chunk: int) -> None:
         super().__init__()
@@ -50,20 +58,18 @@ class _Head(nn.Module):
         head = inner.score if self.model_type == "value" else inner.get_output_embeddings()
         return inner.base_model, head
 
-    def forward(self, input_ids, attention_mask, position_ids, responses, temperature: float = 1.0,
+    def forward(self, input_ids, attention_mask, position_ids, index, targets, temperature: float = 1.0,
                 compute_entropy: bool = False) -> dict[str, torch.Tensor]:
+        """Flat ``log_probs`` (and ``entropy``) or ``values`` of the tokens ``index`` selects."""
         backbone, head = self._parts()
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
-        r = responses.shape[1]
-        # the token at response position t is predicted from position P - 1 + t
-        h = hidden[:, -r - 1 : -1, :]
+        h = hidden.reshape(-1, hidden.shape[-1])[index]
         if self.model_type == "value":
-            return {"values": head(hidden[:, -r:, :]).squeeze(-1).float().clone()}
-        flat_h, flat_y = h.reshape(-1, h.shape[-1]), responses.reshape(-1)
+            return {"values": head(h).squeeze(-1).float().clone()}
         logps, ents = [], []
-        for start in range(0, flat_h.shape[0], self.chunk):
-            hs, ys = flat_h[start : start + self.chunk], flat_y[start : start + self.chunk]
+        for start in range(0, h.shape[0], self.chunk):
+            hs, ys = h[start : start + self.chunk], targets[start : start + self.chunk]
             if torch.is_grad_enabled():
                 lp, ent = torch.utils.checkpoint.checkpoint(
                     _chunk_logprob, hs, ys, head.weight, head.bias, temperature, compute_entropy, use_reentrant=False)
@@ -71,10 +77,13 @@ class _Head(nn.Module):
                 lp, ent = _chunk_logprob(hs, ys, head.weight, head.bias, temperature, compute_entropy)
             logps.append(lp)
             ents.append(ent)
+        if not logps:  # no response token in this micro-batch (a rank-padding one): keep the graph connected
+            zero = h.sum(-1) * 0.0 + head.weight.sum() * 0.0  # lm_head gets a zero gradient, as on other ranks
+            logps, ents = [zero.float()], [zero.float()]
         # clone: FSDP2 must not hand out views of its output (an in-place op would skip its backward hook)
-        out = {"log_probs": torch.cat(logps).view(responses.shape).clone()}
+        out = {"log_probs": torch.cat(logps).clone()}
         if compute_entropy:
-            out["entropy"] = torch.cat(ents).view(responses.shape).clone()
+            out["entropy"] = torch.cat(ents).clone()
         return out
 
 
@@ -116,10 +125,12 @@ class FSDPEngine:
     # ------------------------------------------------------------------ construction
     @property
     def dp_rank(self) -> int:
+        """This rank in the role's (pure data-parallel) worker group."""
         return self._rank
 
     @property
     def dp_size(self) -> int:
+        """The world size of the role's worker group."""
         return self._world
 
     def _build_model(self) -> None:
@@ -133,21 +144,31 @@ class FSDPEngine:
             raise ConfigError(f"{self.role}.model.path={mcfg.path}: no HF model there (config.json is missing)")
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=mcfg.trust_remote_code, **mcfg.override_config)
         archs = getattr(hf_config, "architectures", None) or []
-        if archs and not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
+        suffixes = ("ForCausalLM", "LMHeadModel") + (("ForTokenClassification",) if self.model_type == "value" else ())
+        if archs and not any(a.endswith(suffixes) for a in archs):
             raise ConfigError(f"{self.role}.model.path={mcfg.path}: {archs} is not a causal LM; the fsdp engine "
                               "trains causal LMs and value models built from them")
+        for key, value in (("param_dtype", self.fsdp.param_dtype), ("reduce_dtype", self.fsdp.reduce_dtype)):
+            _dtype(value, f"{self.role}.fsdp.{key}")
+        _choice(self.fsdp.lora_export, ("merged", "adapter"), f"{self.role}.fsdp.lora_export")
+        _choice(mcfg.lora.sync, ("merged", "adapter"), f"{self.role}.model.lora.sync")
+        if self.config.use_remove_padding and mcfg.attn_implementation not in _PACKED_ATTENTION:
+            raise ConfigError(f"{self.role}.use_remove_padding=true needs an attention that masks packed sequences "
+                              f"({', '.join(sorted(_PACKED_ATTENTION))}); {self.role}.model.attn_implementation is "
+                              f"{mcfg.attn_implementation!r}")
         self.hf_config = hf_config
-        dtype = getattr(torch, mcfg.dtype)
+        dtype = _dtype(mcfg.dtype, f"{self.role}.model.dtype")
         torch.manual_seed(self.config.seed)
         model = self._load_hf(path, hf_config, dtype, mcfg)
+        hf_config.architectures = [type(model).__name__]  # what export_hf writes (a value model's own class)
         if mcfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora:
             model = self._apply_lora(model, mcfg.lora)
         root = _Head(model, self.model_type, max(1, self.config.logits_chunk_size))
         mesh = init_device_mesh(self.platform.device_type, (self._world,))
-        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, self.fsdp.param_dtype),
-                                  reduce_dtype=getattr(torch, self.fsdp.reduce_dtype))
+        mp = MixedPrecisionPolicy(param_dtype=_dtype(self.fsdp.param_dtype, ""),
+                                  reduce_dtype=_dtype(self.fsdp.reduce_dtype, ""))
         kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": self.fsdp.reshard_after_forward}
         if self.fsdp.param_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -167,14 +188,20 @@ class FSDPEngine:
         cls = AutoModelForTokenClassification if self.model_type == "value" else AutoModelForCausalLM
         kwargs: dict[str, Any] = {"attn_implementation": mcfg.attn_implementation,
                                   "trust_remote_code": mcfg.trust_remote_code}
+        # a critic built from a causal LM gets a new scalar head, zero so the first values are 0;
+        # one loaded from an exported critic (a token classifier) keeps its trained head
+        new_head = self.model_type == "value" and (mcfg.random_init or not any(
+            a.endswith("ForTokenClassification") for a in (hf_config.architectures or [])))
         if self.model_type == "value":
             hf_config.num_labels = 1
         if mcfg.random_init:
             model = cls.from_config(hf_config, dtype=dtype, **kwargs)
         else:
             model = cls.from_pretrained(path, config=hf_config, dtype=dtype, **kwargs)
-        if self.model_type == "value":
+        if new_head:
             nn.init.zeros_(model.score.weight)
+            if getattr(model.score, "bias", None) is not None:
+                nn.init.zeros_(model.score.bias)
         return model
 
     def _apply_lora(self, model: nn.Module, lora: Any) -> nn.Module:
@@ -183,8 +210,10 @@ class FSDPEngine:
         targets = list(lora.target_modules)
         target = "all-linear" if targets == ["all-linear"] else targets
         try:
+            # a critic's new scalar head must train in full, not stay frozen at zero
             return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                    target_modules=target, bias="none"))
+                                                    target_modules=target, bias="none",
+                                                    modules_to_save=["score"] if self.model_type == "value" else None))
         except ValueError as exc:
             names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
             raise ConfigError(f"{self.role}.model.lora.target_modules={targets} matches no module of the model "
@@ -211,87 +240,117 @@ class FSDPEngine:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
 
     # ------------------------------------------------------------------ forward passes
-    def _forward(self, mb: TensorDict, temperature: float, compute_entropy: bool) -> dict[str, torch.Tensor]:
+    def _forward(self, mb: TensorDict, temperature: float, compute_entropy: bool
+                 ) -> tuple[dict[str, torch.Tensor], TensorDict]:
+        """Run the model on ``mb`` (trimmed of all-padding columns); outputs are ``[b, R']`` on the device."""
         mb = _trim(mb)
-        return self.module(mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device),
-                           mb["position_ids"].to(self.device), mb["responses"].to(self.device),
-                           temperature=temperature, compute_entropy=compute_entropy), mb
+        inputs = _model_inputs(mb, packed=self.config.use_remove_padding)
+        dev = {k: v.to(self.device) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        flat = self.module(dev["input_ids"], dev.get("attention_mask"), dev["position_ids"], dev["index"],
+                           dev["targets"], temperature=temperature, compute_entropy=compute_entropy)
+        shape = mb["responses"].shape
+        rows, cols = dev["rows"], dev["cols"]
+        out = {k: torch.zeros(shape, dtype=v.dtype, device=v.device).index_put((rows, cols), v)
+               for k, v in flat.items()}
+        return out, mb
 
-    def _micro_batches(self, batch: TensorDict) -> list[TensorDict]:
+    def _split(self, batch: TensorDict, dynamic: bool) -> list[torch.Tensor | None]:
+        """Row indices of each micro-batch; ``None`` entries pad this rank to the group's count."""
         cfg = self.config
         size = batch.batch_size[0]
-        if cfg.use_dynamic_bsz:
-            lengths = batch["attention_mask"].sum(-1).tolist()
+        if dynamic:
+            r = batch["responses"].shape[1]
+            attn = batch["attention_mask"]
+            p_len, r_len = attn[:, :-r].sum(-1).tolist(), attn[:, -r:].sum(-1).tolist()
+            lengths = [a + b for a, b in zip(p_len, r_len)]
             order = sorted(range(size), key=lambda i: -lengths[i])
             groups: list[list[int]] = []
             budget = cfg.max_token_len_per_gpu
-            for i in order:  # first-fit decreasing by tokens; padding inside a group is trimmed later
+            for i in order:  # first-fit decreasing by tokens
                 for g in groups:
-                    width = max(lengths[j] for j in g + [i])
-                    if width * (len(g) + 1) <= budget:
+                    # packed: the tokens themselves; padded: the rectangle left after trimming padding columns
+                    members = g + [i]
+                    cost = (sum(lengths[j] for j in members) if cfg.use_remove_padding else
+                            (max(p_len[j] for j in members) + max(r_len[j] for j in members)) * len(members))
+                    if cost <= budget:
                         g.append(i)
                         break
                 else:
                     groups.append([i])
-            groups = [sorted(g) for g in groups]
-            mbs = [batch[torch.tensor(g)] for g in groups]
+            splits: list[torch.Tensor | None] = [torch.tensor(sorted(g)) for g in groups]
         else:
             step = max(1, cfg.micro_batch_size)
-            mbs = [batch[i : i + step] for i in range(0, size, step)]
+            splits = [torch.arange(i, min(i + step, size)) for i in range(0, size, step)]
         # every rank must run the same number of forward/backward passes (they are collective)
-        count = torch.tensor([len(mbs)])
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        while len(mbs) < int(count):
-            dummy = batch[:1].clone()
-            dummy["response_mask"] = torch.zeros_like(dummy["response_mask"])
-            mbs.append(dummy)
-        return mbs
+        count = self._all_reduce(torch.tensor([len(splits)]), dist.ReduceOp.MAX)
+        return splits + [None] * (int(count) - len(splits))
+
+    def _all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        """All-reduce a small CPU tensor through the platform's backend (nccl needs it on the device)."""
+        on_device = tensor.to(self.device)
+        dist.all_reduce(on_device, op=op)
+        return on_device.cpu()
+
+    @staticmethod
+    def _padding_micro_batch(batch: TensorDict) -> TensorDict:
+        """A one-row micro-batch that contributes nothing (zero response mask): keeps collectives in step."""
+        dummy = batch[:1].clone()
+        dummy["response_mask"] = torch.zeros_like(dummy["response_mask"])
+        return dummy
 
     @torch.no_grad()
     def infer_batch(self, batch: TensorDict, *, temperature: float = 1.0, compute_entropy: bool = False,
                     disable_adapter: bool = False) -> TensorDict:
+        """Log-probs (and entropy) of the response tokens, or values for a value model; ``[B, R]``, zero where
+        ``response_mask`` is 0. Micro-batched like ``train_batch``."""
         require_fields(batch, _NEEDED, f"{self.role} engine infer_batch")
         self.module.eval()
-        outs: dict[str, list[torch.Tensor]] = {}
-        width = batch["responses"].shape[1]
-        step = max(1, self.config.micro_batch_size)
-        n_chunks = torch.tensor([math.ceil(batch.batch_size[0] / step)])
-        dist.all_reduce(n_chunks, op=dist.ReduceOp.MAX)
-        ctx = self.module.model.disable_adapter() if disable_adapter and self.lora else _nullcontext()
+        size, width = batch.batch_size[0], batch["responses"].shape[1]
+        keys = ["values"] if self.model_type == "value" else ["log_probs"] + (["entropy"] if compute_entropy else [])
+        result = {k: torch.zeros(size, width, dtype=torch.float32) for k in keys}
+        ctx = self.module.model.disable_adapter() if disable_adapter and self.lora else contextlib.nullcontext()
         with ctx:
-            for k in range(int(n_chunks)):
-                mb = batch[k * step : (k + 1) * step]
-                if mb.batch_size[0] == 0:
-                    self._forward(batch[:1], temperature, False)  # keep collectives in step
+            for rows in self._split(batch, self.config.use_dynamic_bsz):
+                if rows is None:
+                    self._forward(self._padding_micro_batch(batch), temperature, False)
                     continue
-                out, trimmed = self._forward(mb, temperature, compute_entropy)
-                for key, value in out.items():
-                    padded = torch.zeros(value.shape[0], width, dtype=torch.float32)
-                    padded[:, : value.shape[1]] = value.float().cpu()
-                    outs.setdefault(key, []).append(padded * mb["response_mask"].float())
-        return TensorDict({k: torch.cat(v) for k, v in outs.items()}, batch_size=batch.batch_size)
+                out, trimmed = self._forward(batch[rows], temperature, compute_entropy)
+                for k in keys:
+                    value = out[k].float().cpu()
+                    result[k][rows, : value.shape[1]] = value
+        mask = batch["response_mask"].float()
+        return TensorDict({k: v * mask for k, v in result.items()}, batch_size=batch.batch_size)
 
     def train_batch(self, batch: TensorDict, loss_fn: Any) -> dict[str, float]:
+        """One optimizer step on this rank's shard (see :meth:`polyrl.protocols.Engine.train_batch`)."""
         require_fields(batch, _NEEDED, f"{self.role} engine train_batch")
         if self.optimizer is None:
             raise RuntimeError(f"the {self.role} engine has no optimizer (role 'ref' only infers)")
         self.module.train()
-        totals = torch.tensor([float(batch["response_mask"].sum()), float(batch.batch_size[0])], dtype=torch.float64)
-        dist.all_reduce(totals)
+        totals = self._all_reduce(torch.tensor([float(batch["response_mask"].sum()), float(batch.batch_size[0])],
+                                               dtype=torch.float64))
         scale = LossScale(dp_size=self._world, batch_num_tokens=int(totals[0]), global_batch_size=int(totals[1]))
         metrics: dict[str, float] = {}
-        mbs = self._micro_batches(batch)
-        for mb in mbs:
+        splits = self._split(batch, self.config.use_dynamic_bsz)
+        real = max(1, sum(rows is not None for rows in splits))
+        for rows in splits:
+            mb = self._padding_micro_batch(batch) if rows is None else batch[rows]
             out, trimmed = self._forward(mb, self.temperature, compute_entropy=self.model_type != "value")
-            loss, m = loss_fn(out, trimmed, scale)
+            loss, m = loss_fn(out, trimmed.to(self.device), scale)
             loss.backward()
-            for k, v in m.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v) / len(mbs)
+            if rows is not None:  # a padding micro-batch's metrics would dilute the mean
+                for k, v in m.items():
+                    metrics[k] = metrics.get(k, 0.0) + float(v) / real
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.module.parameters() if p.requires_grad], self.config.optim.grad_clip or float("inf"))
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if math.isfinite(grad_norm):
+            offloaded = self.fsdp.optimizer_offload and self.device.type != "cpu" and not self.fsdp.param_offload
+            if offloaded:
+                _move_optimizer(self.optimizer, self.device)
             self.optimizer.step()
+            if offloaded:  # optimizer state lives on CPU between steps
+                _move_optimizer(self.optimizer, "cpu")
         else:
             metrics["skipped_step"] = 1.0
         self.optimizer.zero_grad(set_to_none=True)
@@ -312,7 +371,7 @@ class FSDPEngine:
 
             lora_mods = {n: m for n, m in self.module.named_modules() if isinstance(m, LoraLayer)}
         for name, param in self.module.named_parameters():
-            if ".lora_" in name:
+            if ".lora_" in name or ".original_module." in name:  # peft's frozen copy of a fully trained module
                 continue
             full = _full(param)
             hf = _hf_name(name)
@@ -326,11 +385,17 @@ class FSDPEngine:
             yield hf, full
 
     def _adapter_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA tensors alone, named as peft saves them (``base_model.model.<hf module>.lora_A.weight``)."""
         for name, param in self.module.named_parameters():
             if ".lora_" in name:
                 yield _adapter_name(name), _full(param)
 
     def weights_for_rollout(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """``(hf_name, full tensor)`` lists of about ``bucket_bytes``, one parameter gathered at a time.
+
+        Collective: every rank iterates. LoRA weights are merged (``W + B A * scaling``) unless
+        ``model.lora.sync`` is ``adapter``; then only the adapter's tensors come, in peft's names.
+        """
         source = self._adapter_params() if self.lora and self.config.model.lora.sync == "adapter" else self._full_params()
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
@@ -357,6 +422,11 @@ class FSDPEngine:
         return {"model": model_sd, "optim": optim_sd}
 
     def save_checkpoint(self, path: str) -> None:
+        """Model, optimizer, LR schedule, RNG and step into the directory ``path``, atomically.
+
+        Written to ``path.tmp-<id>`` (torch.distributed.checkpoint shards, per-rank extras, ``meta.json``)
+        and renamed into place by rank 0 after every rank finished, so a crash leaves the old checkpoint.
+        """
         import torch.distributed.checkpoint as dcp
 
         final = Path(path)
@@ -384,6 +454,7 @@ class FSDPEngine:
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote; ``CheckpointError`` names a world-size or model mismatch."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -408,10 +479,14 @@ class FSDPEngine:
         if self.scheduler is not None and extra["scheduler"] is not None:
             self.scheduler.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["rng"]["torch"])
+        if extra["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
         random.setstate(extra["rng"]["python"])
         self.step = meta["step"]
 
     def export_hf(self, path: str) -> None:
+        """A transformers folder at ``path``: safetensors, config, tokenizer; LoRA merged or (``fsdp.lora_export``)
+        the adapter alone in peft's format."""
         from safetensors.torch import save_file
 
         out = Path(path)
@@ -422,7 +497,7 @@ class FSDPEngine:
             if adapter:
                 peft_cfg = self.module.model.peft_config["default"]
                 peft_cfg.save_pretrained(str(out))
-                save_file(tensors, str(out / "adapter_model.safetensors"))
+                save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
             else:
                 if getattr(self.hf_config, "tie_word_embeddings", False):
                     tensors.pop("lm_head.weight", None)
@@ -439,6 +514,8 @@ class FSDPEngine:
 
     # ------------------------------------------------------------------ memory
     def offload(self) -> None:
+        """Parameters and optimizer state to CPU, to free the accelerator for a colocated rollout (no-op on CPU
+        and with ``fsdp.param_offload``, where they already live on CPU)."""
         if self.device.type == "cpu" or self.fsdp.param_offload:
             return
         self.module.to("cpu")
@@ -446,6 +523,7 @@ class FSDPEngine:
         self.platform.empty_cache()
 
     def onload(self) -> None:
+        """Parameters (and optimizer state unless ``fsdp.optimizer_offload``) back onto the device."""
         if self.device.type == "cpu" or self.fsdp.param_offload:
             return
         self.module.to(self.device)
@@ -454,14 +532,6 @@ class FSDPEngine:
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _ensure_process_group(backend: str) -> None:
@@ -473,27 +543,69 @@ def _ensure_process_group(backend: str) -> None:
                      int(os.environ.get("MASTER_PORT", 0)) or free_port())
 
 
+def _dtype(name: str, key: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; a ConfigError naming ``key`` for anything else."""
+    value = getattr(torch, str(name), None)
+    if not isinstance(value, torch.dtype):
+        raise ConfigError(f"{key}={name!r} is not a torch dtype; use float32, bfloat16 or float16")
+    return value
+
+
+def _choice(value: str, allowed: tuple[str, ...], key: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r}: choose one of {', '.join(allowed)}")
+
+
 def _full(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if hasattr(param, "full_tensor") else param.data
 
 
-def _hf_name(name: str, keep_lora: bool = False) -> str:
+def _hf_name(name: str) -> str:
     """Parameter name inside the engine -> HF checkpoint name."""
     name = name[len("model."):] if name.startswith("model.") else name  # the _Head wrapper
     if name.startswith("base_model.model."):
         name = name[len("base_model.model."):]
-    if not keep_lora:
-        name = name.replace(".base_layer.", ".")
-    return name
+    return re.sub(r"\.modules_to_save\.[^.]+\.", ".", name.replace(".base_layer.", "."))
 
 
 def _adapter_name(name: str) -> str:
     """A LoRA parameter inside the engine -> its name in a peft ``adapter_model.safetensors``."""
-    name = name[len("model."):] if name.startswith("model.") else name  # the _Head wrapper
+    name = name[len("model."):] if name.startswith("model.") else name
     # peft drops the adapter name on save: ...q_proj.lora_A.default.weight -> ...q_proj.lora_A.weight
     for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
         name = re.sub(rf"\.{part}\.[^.]+\.", f".{part}.", name)
     return name
+
+
+def _model_inputs(mb: TensorDict, packed: bool) -> dict[str, torch.Tensor | None]:
+    """The model's inputs for ``mb`` and where each response token's prediction is.
+
+    Response token ``t`` of row ``i`` (column ``S - R + t``) is predicted from column ``S - R - 1 + t``;
+    tokens whose own or predicting column is padding are skipped (their outputs stay 0). ``index`` points
+    into the flattened ``[tokens, hidden]`` states, ``rows``/``cols`` place each result in ``[b, R]``.
+    With ``packed``, the real tokens of all rows are concatenated into one ``[1, T]`` row without
+    padding; transformers then masks attention per sequence from the restarting ``position_ids``.
+    """
+    ids, attn, pos = mb["input_ids"], mb["attention_mask"], mb["position_ids"]
+    b, s = ids.shape
+    r = mb["responses"].shape[1]
+    valid = attn.bool()
+    prev = torch.cat([torch.zeros(b, 1, dtype=torch.bool), valid[:, :-1]], dim=1)
+    rows, cols = (valid[:, s - r :] & prev[:, s - r :]).nonzero(as_tuple=True)
+    pred_col = s - r - 1 + cols
+    targets = mb["responses"][rows, cols]
+    if packed and _packs_cleanly(pos, valid):
+        place = (valid.flatten().cumsum(0) - 1).view(b, s)
+        return {"input_ids": ids[valid][None], "attention_mask": None, "position_ids": pos[valid][None],
+                "index": place[rows, pred_col], "targets": targets, "rows": rows, "cols": cols}
+    return {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "index": rows * s + pred_col,
+            "targets": targets, "rows": rows, "cols": cols}
+
+
+def _packs_cleanly(pos: torch.Tensor, valid: torch.Tensor) -> bool:
+    """Whether each row's real tokens have positions ``0, 1, 2, ...`` (what packed attention relies on)."""
+    expected = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    return bool(torch.equal(pos[valid], expected[valid]))
 
 
 def _trim(mb: TensorDict) -> TensorDict:
