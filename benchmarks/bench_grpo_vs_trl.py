@@ -74,7 +74,7 @@ def run_trl(model_dir: Path, data: Path, steps: int, out: Path) -> dict:
     return {"tokens": tokens, "seconds": sum(times), "steps": len(times)}
 
 
-def run_polyrl(model_dir: Path, data: Path, steps: int, out: Path, workers: int) -> dict:
+def run_polyrl(model_dir: Path, data: Path, steps: int, out: Path, workers: int, extra: list[str]) -> dict:
     """`polyrl train` (FSDP engine, hf rollout) with the same batch; step time from its metrics."""
     manifest = out / "polyrl.toml"
     out.mkdir(parents=True, exist_ok=True)
@@ -86,13 +86,16 @@ def run_polyrl(model_dir: Path, data: Path, steps: int, out: Path, workers: int)
         f"actor.ppo_mini_batch_size={PROMPTS_PER_STEP}", f"actor.micro_batch_size={PROMPTS_PER_STEP * N}",
         "actor.optim.lr=1e-4", f"rollout.n={N}", f"rollout.max_batch_size={PROMPTS_PER_STEP * N}",
         f"trainer.total_steps={steps + 1}", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
-        f"trainer.run_dir={out / 'run'}", *executor,
+        f"trainer.run_dir={out / 'run'}", *executor, *extra,
     ]
     subprocess.run([sys.executable, "-m", "polyrl", "train", "--manifest", str(manifest), *overrides], check=True,
                    stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "timing/step" in r][1:]
     tokens = sum(r["response_length/mean"] * PROMPTS_PER_STEP * N for r in rows)
+    phases = sorted({k for r in rows for k in r if k.startswith("timing/") and k != "timing/step"})
+    print("  polyrl seconds per step: " + ", ".join(
+        f"{k[7:]} {sum(r.get(k, 0.0) for r in rows) / len(rows):.2f}" for k in phases), flush=True)
     return {"tokens": tokens, "seconds": sum(r["timing/step"] for r in rows), "steps": len(rows)}
 
 
@@ -101,6 +104,8 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2, help="polyrl data-parallel workers (1 = local executor)")
+    parser.add_argument("--polyrl-args", nargs="*", default=[], help="extra `polyrl train` overrides (key=value)")
+    parser.add_argument("--no-trl", action="store_true", help="run polyrl only (no ratio)")
     args = parser.parse_args()
     from polyrl.data.synthetic import make_arithmetic_rows, write_jsonl
     from polyrl.models.tiny import make_tiny_model
@@ -116,9 +121,13 @@ def main() -> None:
 
         params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
         del torch
+        ours = run_polyrl(model_dir, data, args.steps, root / f"polyrl-{size}", args.workers, args.polyrl_args)
+        p_rate = ours["tokens"] / ours["seconds"]
+        if args.no_trl:
+            print(f"{size:8} {params / 1e6:7.1f}M {'-':>10} {p_rate:13.1f} {'-':>6}", flush=True)
+            continue
         trl = run_trl(model_dir, data, args.steps, root / f"trl-{size}")
-        ours = run_polyrl(model_dir, data, args.steps, root / f"polyrl-{size}", args.workers)
-        t_rate, p_rate = trl["tokens"] / trl["seconds"], ours["tokens"] / ours["seconds"]
+        t_rate = trl["tokens"] / trl["seconds"]
         print(f"{size:8} {params / 1e6:7.1f}M {t_rate:10.1f} {p_rate:13.1f} {p_rate / t_rate:6.2f}", flush=True)
 
 

@@ -90,3 +90,28 @@ def test_dapo_dynamic_sampling_and_overlong_penalty(base_overrides, manifest_fil
     ])
     rows = _check_run(tmp_path / "run", 2)
     assert all(r["train/gen_rounds"] >= 1 for r in rows)
+
+
+def test_on_policy_update_skips_old_log_prob_pass(base_overrides, manifest_file, tmp_path):
+    """One epoch over one mini-batch: the update's own detached log-probs are the old ones. The run must
+    match one that recomputes them in a separate pass, step for step, without that pass."""
+    on_policy = ["trainer.executor=local", "actor.ppo_mini_batch_size=4", "trainer.test_freq=0"]
+    runs = {}
+    for mode in ("auto", "always"):
+        overrides = [o for o in base_overrides if not o.startswith("trainer.run_dir=")]
+        train(manifest_file, [], overrides + on_policy + [f"actor.recompute_old_log_prob={mode}",
+                                                          f"trainer.run_dir={tmp_path / mode}"])
+        runs[mode] = [r for r in _metrics(tmp_path / mode) if "critic/score/mean" in r]
+    assert all("timing/old_log_prob" not in r for r in runs["auto"])
+    assert all("timing/old_log_prob" in r for r in runs["always"])
+    for skipped, recomputed in zip(runs["auto"], runs["always"], strict=True):
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean"):
+            assert skipped[key] == pytest.approx(recomputed[key], rel=1e-4, abs=1e-6), key
+        assert skipped["actor/pg_clipfrac"] == 0.0
+        # the trainer-vs-rollout check still runs, inside the update
+        assert skipped["rollout/logprob_diff_mean"] < 1e-4
+
+
+def test_bad_recompute_old_log_prob_value(base_overrides, manifest_file):
+    with pytest.raises(ConfigError, match="actor.recompute_old_log_prob='sometimes'"):
+        train(manifest_file, [], base_overrides + ["actor.recompute_old_log_prob=sometimes"])

@@ -109,7 +109,11 @@ def main() -> None:
     # are what catches a wrong reduction; the weights then agree to 1e-6 absolute
     # "dynamic": token-budget micro-batches over packed sequences; the budget gives the ranks different
     # micro-batch counts, so the padding micro-batches that keep collectives in step are exercised
-    kw = {"use_dynamic_bsz": True, "use_remove_padding": True, "max_token_len_per_gpu": 20} if scenario == "dynamic" else {}
+    kw: dict = {"use_dynamic_bsz": True, "use_remove_padding": True, "max_token_len_per_gpu": 20} if scenario == "dynamic" else {}
+    if scenario.startswith("replicate"):  # fsdp_size=1: a full copy per rank, gradients all-reduced (HSDP)
+        from polyrl_engine_fsdp.config import FSDPConfig
+
+        kw["plugin_config"] = FSDPConfig(fsdp_size=1)
     engine = make_engine(model_dir, lr=1e-4, **kw)
     results: dict = {"grad_norm": [], "loss": []}
     for step in range(3):
@@ -125,11 +129,15 @@ def main() -> None:
         counts = [None] * world
         torch.distributed.all_gather_object(counts, len(real))
         results.setdefault("micro_batches", []).append(counts)
-        if scenario == "resume" and step == 0:
+        if scenario.endswith("resume") and step == 0:
             engine.save_checkpoint(os.path.join(out, "ckpt"))
-            engine = make_engine(model_dir, lr=1e-4)
+            engine = make_engine(model_dir, lr=1e-4, **kw)
             engine.load_checkpoint(os.path.join(out, "ckpt"))
     weights = {n: t.clone() for bucket in engine.weights_for_rollout(1 << 14) for n, t in bucket}
+    if scenario.startswith("replicate"):  # every rank holds the whole model
+        local = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in engine.module.named_parameters()}
+        results["local_equals_full"] = all(v.shape == getattr(p, "shape", v.shape) for n, p in
+                                           engine.module.named_parameters() for v in [local[n]])
     if rank == 0:
         torch.save({"results": results, "weights": weights}, os.path.join(out, f"result_{world}_{scenario}.pt"))
     torch.distributed.barrier()

@@ -87,6 +87,21 @@ def test_save_load_continue_equals_uninterrupted(model_dir, tmp_path):
         assert torch.allclose(w, resumed["weights"][name], atol=1e-6), name
 
 
+def test_fsdp_size_one_replicates_and_matches_full_sharding(model_dir, tmp_path):
+    """``fsdp.fsdp_size=1`` (HSDP over a (2, 1) mesh: a full copy per rank, gradients all-reduced) trains
+    exactly like full sharding, and its checkpoints resume exactly."""
+    for sub in ("a", "b", "c"):
+        (tmp_path / sub).mkdir()
+    sharded = _run_group(2, model_dir, tmp_path / "a")
+    replicated = _run_group(2, model_dir, tmp_path / "b", "replicate")
+    resumed = _run_group(2, model_dir, tmp_path / "c", "replicate-resume")
+    assert replicated["results"]["local_equals_full"]
+    for other in (replicated, resumed):
+        assert sharded["results"]["grad_norm"] == pytest.approx(other["results"]["grad_norm"], rel=1e-6)
+        for name, w in sharded["weights"].items():
+            assert torch.allclose(w, other["weights"][name], atol=1e-6), name
+
+
 def test_dynamic_micro_batches_give_the_same_gradients(model_dir):
     b = batch(seed=4)
     fixed = make_engine(str(model_dir), micro_batch_size=3)
@@ -350,3 +365,11 @@ def test_on_cuda(model_dir, tmp_path):
     assert found["sent_on_device"] and found["offload_freed_bytes"] > 0
     assert 0 < found["bf16_packed_grad_norm"] < float("inf") and found["bf16_err_vs_fp32"] < 0.1
     assert found["offloaded_optimizer_state_devices"] == ["cpu"]
+
+
+@pytest.mark.parametrize("size", [0, -2])
+def test_bad_fsdp_size_names_the_key(model_dir, size):
+    from polyrl_engine_fsdp.config import FSDPConfig
+
+    with pytest.raises(ConfigError, match=rf"actor.fsdp.fsdp_size={size} must be -1 or divide"):
+        make_engine(str(model_dir), plugin_config=FSDPConfig(fsdp_size=size))

@@ -77,3 +77,32 @@ def test_chunks_of_one_call_do_not_replay_the_random_stream(tiny_model_dir, tiny
     params = SamplingParams(max_new_tokens=6, seed=5, ignore_eos=True)
     results = rollout.generate([GenerationRequest([5, 6, 7], params) for _ in range(4)])  # two chunks of two
     assert [r.response_ids for r in results[:2]] != [r.response_ids for r in results[2:]]
+
+
+def test_shared_prefill_samples_what_separate_prefills_sample(hf_rollout, tiny_model_dir):
+    """Repeated prompts are prefilled once and their KV cache copied per sample; the samples, log-probs and
+    finish reasons must be those of one prefill per sample, and match a plain forward pass."""
+    from transformers import AutoModelForCausalLM
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
+    # two prompts of different lengths (left padding), each repeated, interleaved with a single one
+    reqs = [GenerationRequest([5, 6, 7], SamplingParams(temperature=1.0, max_new_tokens=8, seed=5, n=3)),
+            GenerationRequest([9, 10, 11, 12, 13], params), GenerationRequest([9, 10, 11, 12, 13], params),
+            GenerationRequest([20, 21], params)]
+    try:
+        shared = hf_rollout.generate(reqs)
+        hf_rollout.share_prefill = False
+        separate = hf_rollout.generate(reqs)
+    finally:
+        hf_rollout.share_prefill = True
+    assert [r.response_ids for r in shared] == [r.response_ids for r in separate]
+    assert [r.finish_reason for r in shared] == [r.finish_reason for r in separate]
+    for a, b in zip(shared, separate):
+        assert torch.allclose(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-5)
+    assert len({tuple(r.response_ids) for r in shared[:3]}) > 1  # one prompt's samples still differ
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    for res in shared:
+        ids = torch.tensor([res.prompt_ids + res.response_ids])
+        logits = model(ids).logits[0, len(res.prompt_ids) - 1 : -1]
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(res.response_ids)[:, None]).squeeze(-1)
+        assert torch.allclose(expected, torch.tensor(res.log_probs), atol=1e-4)

@@ -19,5 +19,9 @@ class FSDPConfig:
     optimizer_offload: bool = False
     #: Free the gathered parameters after forward (less memory, one more all-gather in backward).
     reshard_after_forward: bool = True
+    #: Ranks that shard one copy of the model (verl's ``fsdp_size``): ``-1`` = all ranks (FSDP);
+    #: a divisor of the world size replicates that many-way sharded copies across the rest (HSDP);
+    #: ``1`` keeps a full copy on every rank and only all-reduces gradients (DDP-like).
+    fsdp_size: int = -1
     #: What ``export_hf`` writes for a LoRA model: ``merged`` weights or the ``adapter`` alone.
     lora_export: str = "merged"

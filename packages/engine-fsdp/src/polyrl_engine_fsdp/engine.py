@@ -166,7 +166,7 @@ class FSDPEngine:
         if self.lora:
             model = self._apply_lora(model, mcfg.lora)
         root = _Head(model, self.model_type, max(1, self.config.logits_chunk_size))
-        mesh = init_device_mesh(self.platform.device_type, (self._world,))
+        mesh = self._mesh(init_device_mesh)
         mp = MixedPrecisionPolicy(param_dtype=_dtype(self.fsdp.param_dtype, ""),
                                   reduce_dtype=_dtype(self.fsdp.reduce_dtype, ""))
         kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": self.fsdp.reshard_after_forward}
@@ -181,6 +181,16 @@ class FSDPEngine:
         if not self.fsdp.param_offload:
             root.to(self.device)
         self.module = root
+
+    def _mesh(self, init_device_mesh: Any) -> Any:
+        """1-D mesh for FSDP over all ranks, or a (replicate, shard) mesh for HSDP with ``fsdp_size``."""
+        size = self.fsdp.fsdp_size
+        if size == -1 or size >= self._world:
+            return init_device_mesh(self.platform.device_type, (self._world,))
+        if size < 1 or self._world % size:
+            raise ConfigError(f"{self.role}.fsdp.fsdp_size={size} must be -1 or divide the {self._world} ranks")
+        return init_device_mesh(self.platform.device_type, (self._world // size, size),
+                                mesh_dim_names=("replicate", "shard"))
 
     def _load_hf(self, path: Path, hf_config: Any, dtype: torch.dtype, mcfg: Any) -> nn.Module:
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification

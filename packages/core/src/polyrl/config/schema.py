@@ -62,6 +62,10 @@ class ActorConfig(EngineRoleConfig):
     ppo_mini_batch_size: int = 8
     ppo_epochs: int = 1
     shuffle: bool = False
+    #: ``auto``: skip the separate old-log-prob forward pass when the update is on-policy (one PPO epoch,
+    #: one mini-batch per step, no KL in the reward); the update then uses its own detached log-probs as the
+    #: old ones, which is the same number. ``always``: recompute them every step.
+    recompute_old_log_prob: str = "auto"
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None

@@ -184,7 +184,14 @@ class Worker:
         self.actor.temperature = self.config.rollout.temperature
         cfg = self.config.actor
         rows = cfg.ppo_mini_batch_size * self.config.rollout.n // self.world_size
-        return _run_epochs(self.actor, batch, rows, cfg.ppo_epochs, make_actor_loss(cfg), cfg.shuffle, self.rank)
+        on_policy = "old_log_probs" not in batch.keys()
+        if on_policy and (cfg.ppo_epochs > 1 or rows < batch.batch_size[0]):
+            raise RuntimeError(
+                "update_actor got no old_log_probs but runs more than one pass over the batch "
+                f"(actor.ppo_epochs={cfg.ppo_epochs}, {batch.batch_size[0] // max(1, rows)} mini-batches): "
+                "compute them first (compute_log_prob)")
+        loss = make_actor_loss(cfg, on_policy=on_policy)
+        return _run_epochs(self.actor, batch, rows, cfg.ppo_epochs, loss, cfg.shuffle, self.rank)
 
     def update_critic(self, batch: TensorDict) -> dict[str, float]:
         """Value-loss epochs over mini-batches of this rank's shard."""

@@ -40,6 +40,8 @@ class HFRollout:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         # remove_duplicate=False: a tied lm_head is reachable under both of its names
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        #: Prefill each distinct prompt of a batch once (False: one prefill row per sample, for comparison).
+        self.share_prefill = True
 
     # ------------------------------------------------------------------ generation
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
@@ -67,10 +69,16 @@ class HFRollout:
     def _generate_batch(self, items: list[tuple[GenerationRequest, int]], params: SamplingParams,
                         generator: torch.Generator) -> list[GenerationResult]:
         prompts = [list(req.prompt_ids) for req, _ in items]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        # Identical prompts (GRPO's n samples of one prompt) are prefilled once; their KV cache is then
+        # copied to every sample (the cache's beam-search reorder, which every HF cache implements).
+        first: dict[tuple[int, ...], int] = {}
+        owner = [first.setdefault(tuple(p), len(first)) for p in prompts]
+        unique = [list(p) for p in first] if self.share_prefill else prompts
+        expand = torch.tensor(owner, device=self.device) if self.share_prefill and len(unique) < len(prompts) else None
+        width = max(len(p) for p in unique)
+        ids = torch.full((len(unique), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(unique):
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
@@ -90,6 +98,9 @@ class HFRollout:
                              use_cache=True)
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
+            if t == 0 and expand is not None:  # one prefilled row per distinct prompt -> one row per sample
+                past.reorder_cache(expand)
+                logits, cur_pos, attn = logits[expand], cur_pos[expand], attn[expand]
             token, logp = _sample(logits, params, generator)
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
             out_tokens[:, t] = token

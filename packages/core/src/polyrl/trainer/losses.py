@@ -16,8 +16,12 @@ from tensordict import TensorDict
 from polyrl.protocols import LossScale
 
 
-def make_actor_loss(cfg: Any):
-    """PPO-family policy loss + optional entropy bonus + optional KL-to-reference loss."""
+def make_actor_loss(cfg: Any, *, on_policy: bool = False):
+    """PPO-family policy loss + optional entropy bonus + optional KL-to-reference loss.
+
+    ``on_policy``: the batch carries no ``old_log_probs`` because this update is the first and only
+    pass over it; the current log-probs, detached, are the old ones (ratio 1, the same gradient).
+    """
     from polyrl.algorithms import agg_loss, get_policy_loss_fn, kl_penalty
     from polyrl.algorithms.policy_losses import policy_option
 
@@ -27,8 +31,9 @@ def make_actor_loss(cfg: Any):
     def actor_loss(out: Mapping[str, torch.Tensor], mb: TensorDict, scale: LossScale):
         mask = mb["response_mask"]
         log_prob = out["log_probs"]
+        old_log_prob = log_prob.detach() if on_policy else mb["old_log_probs"]
         pg_loss, pg_metrics = policy_loss_fn(
-            old_log_prob=mb["old_log_probs"],
+            old_log_prob=old_log_prob,
             log_prob=log_prob,
             advantages=mb["advantages"],
             response_mask=mask,
@@ -40,6 +45,9 @@ def make_actor_loss(cfg: Any):
         loss = pg_loss
         metrics = {f"actor/{k}": _float(v) for k, v in pg_metrics.items()}
         metrics["actor/pg_loss"] = _float(pg_loss)
+        if on_policy and "rollout_log_probs" in mb.keys():  # the trainer-vs-rollout mismatch, as when recomputed
+            diff = (mb["rollout_log_probs"] - old_log_prob).abs() * mask
+            metrics["rollout/logprob_diff_mean"] = _float(diff.sum() / mask.sum().clamp(min=1))
         if "entropy" in out:
             entropy = agg_loss(out["entropy"], mask, cfg.loss_agg_mode, loss_scale=scale)
             metrics["actor/entropy"] = _float(entropy)

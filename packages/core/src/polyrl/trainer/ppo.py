@@ -24,7 +24,7 @@ import torch
 from tensordict import TensorDict
 
 from polyrl import batch as batch_ops
-from polyrl.config.loader import to_yaml
+from polyrl.config.loader import to_dict, to_yaml
 from polyrl.errors import ConfigError
 from polyrl.manifest import Manifest
 from polyrl.protocols import SamplingParams
@@ -93,6 +93,12 @@ class PPOTrainer:
         self.use_ref = enable == "true" or (enable == "auto" and kl_used)
         if kl_used and not self.use_ref:
             raise ConfigError("a KL term is configured (actor.use_kl_loss / algorithm.use_kl_in_reward) but ref.enable=false")
+        mode = cfg.actor.recompute_old_log_prob
+        if mode not in ("auto", "always"):
+            raise ConfigError(f"actor.recompute_old_log_prob={mode!r}: choose 'auto' or 'always'")
+        # on-policy: the one update pass sees the policy that generated the batch (verl's dp_actor does the same)
+        on_policy = cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+        self.skip_old_log_prob = mode == "auto" and on_policy and not cfg.algorithm.use_kl_in_reward
         self.ckpt = CheckpointManager(self.run_dir, keep=cfg.trainer.max_checkpoints)
         self.global_step = 0
         self.groups: RoleGroups | None = None
@@ -153,7 +159,7 @@ class PPOTrainer:
         self.groups = build_role_groups(cfg, manifest=self.manifest, use_ref=self.use_ref,
                                         use_critic=self.use_critic, run_dir=self.run_dir)
         tracker = Tracker(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
-                          experiment=cfg.trainer.experiment_name, resume=resume_from is not None)
+                          experiment=cfg.trainer.experiment_name, config=to_dict(cfg), resume=resume_from is not None)
         last_val: dict[str, float] = {}
         metrics: dict[str, float] = {}
         try:
@@ -240,15 +246,15 @@ class PPOTrainer:
         metrics.update({k: float(np.mean(v)) for k, v in reward_metrics.items()})
 
         # old log-probs (actor) -> ref log-probs -> values (critic)
-        tensors = batch_ops.tensor_fields(batch)
-        with _timer(timing, "old_log_prob"):
-            old = groups.actor.dispatch("compute_log_prob", tensors)
-        batch["old_log_probs"] = old["log_probs"]
-        mask = batch["response_mask"].float()
-        metrics["actor/entropy_rollout"] = float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1))
-        if "rollout_log_probs" in batch.keys():
-            diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
-            metrics["rollout/logprob_diff_mean"] = float(diff.sum() / mask.sum().clamp(min=1))
+        if not self.skip_old_log_prob:
+            with _timer(timing, "old_log_prob"):
+                old = groups.actor.dispatch("compute_log_prob", batch_ops.tensor_fields(batch))
+            batch["old_log_probs"] = old["log_probs"]
+            mask = batch["response_mask"].float()
+            metrics["actor/entropy_rollout"] = float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1))
+            if "rollout_log_probs" in batch.keys():
+                diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
+                metrics["rollout/logprob_diff_mean"] = float(diff.sum() / mask.sum().clamp(min=1))
         if self.use_ref:
             with _timer(timing, "ref"):
                 batch["ref_log_prob"] = groups.ref.dispatch("compute_ref_log_prob", batch_ops.tensor_fields(batch))[
@@ -427,8 +433,10 @@ def _batch_metrics(batch: TensorDict) -> dict[str, float]:
     }
     if "_acc" in batch.keys():
         out["acc/mean"] = float(batch["_acc"].mean())
-    if "ref_log_prob" in batch.keys():
-        kl = ((batch["old_log_probs"] - batch["ref_log_prob"]) * mask).sum() / mask.sum().clamp(min=1)
+    # the policy's log-probs: recomputed old ones, else (on-policy update) the rollout's own
+    policy = next((batch[k] for k in ("old_log_probs", "rollout_log_probs") if k in batch.keys()), None)
+    if "ref_log_prob" in batch.keys() and policy is not None:
+        kl = ((policy - batch["ref_log_prob"]) * mask).sum() / mask.sum().clamp(min=1)
         out["actor/kl_ref"] = float(kl)
     return out
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from polyrl.config.loader import to_yaml
+from polyrl.config.loader import to_dict, to_yaml
 from polyrl.errors import DataError
 from polyrl.manifest import Manifest
 
@@ -107,7 +107,7 @@ class SFTTrainer:
             owns_ray = start_ray(cfg, self.run_dir)
             group = RayWorkerGroup(Worker, cfg.trainer.n_workers, name="sft", **kwargs)
         tracker = Tracker(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
-                          experiment=cfg.trainer.experiment_name)
+                          experiment=cfg.trainer.experiment_name, config=to_dict(cfg))
         bs = cfg.data.train_batch_size
         rng = random.Random(cfg.data.seed)
         order: list[int] = []
