@@ -1,12 +1,16 @@
 """GRPO training throughput: polyrl vs TRL's GRPOTrainer, same models, prompts and batch, one run.
 
 Both sides train the same random-init model (``tiny`` and ``small`` from
-``polyrl.models.tiny``) with the same tokenizer, prompts (synthetic arithmetic),
-samples per prompt, completion length and batch, on this machine's CPU, for
-``--steps`` GRPO steps after one warm-up step. Reported: completion tokens per
-second of step time for each, and the ratio polyrl / TRL. See docs/benchmarks.md.
+``polyrl.models.tiny``) with the same tokenizer, prompts, samples per prompt,
+completion length, batch, learning rate and precision (float32), on this machine's
+CPU, for ``--steps`` GRPO steps after ``--warmup`` steps that are not timed.
+Workloads: ``short`` (synthetic arithmetic, ~9-token prompts) and ``long`` (the same
+questions after a fixed ~170-token few-shot preamble, as in GSM8K-style prompting).
+Reported: completion tokens per second of step time for each, the ratio polyrl / TRL,
+and where each side's step time goes. See docs/benchmarks.md for the method.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_grpo_vs_trl.py [--sizes tiny small] [--steps 3]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_grpo_vs_trl.py [--sizes tiny small] \\
+        [--workloads short long] [--warmup 2] [--steps 5] [--workers 2]
 """
 
 from __future__ import annotations
@@ -27,11 +31,25 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 PROMPTS_PER_STEP = 8
 N = 4
 COMPLETION = 32
+#: The ``long`` workload's system message: worked examples ahead of every question.
+PREAMBLE = ("Answer with the number only. Examples: 12+7=19. 40-15=25. 8+8=16. 91-19=72. 33+44=77. "
+            "60-7=53. 25+25=50. 99-98=1. 14+68=82. 70-35=35. 5+94=99. 81-27=54. 47+12=59. 66-60=6. "
+            "Now the question:")
 
 
-def run_trl(model_dir: Path, data: Path, steps: int, out: Path) -> dict:
-    """TRL GRPOTrainer (use_vllm=False) on CPU; returns completion tokens and step seconds."""
+def make_rows(workload: str) -> list[dict]:
+    from polyrl.data.synthetic import make_arithmetic_rows
+
+    rows = make_arithmetic_rows(512, seed=0, max_operand=99, ops="+-")
+    if workload == "long":
+        rows = [dict(r, prompt=[{"role": "system", "content": PREAMBLE}, *r["prompt"]]) for r in rows]
+    return rows
+
+
+def run_trl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path) -> dict:
+    """TRL GRPOTrainer (use_vllm=False) on CPU in this process; completion tokens and step seconds."""
     import torch
+    import transformers.generation.utils as generation
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -42,6 +60,16 @@ def run_trl(model_dir: Path, data: Path, steps: int, out: Path) -> dict:
     def reward(completions, answer, **kw):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [1.0 if t.strip().startswith(a) else 0.0 for t, a in zip(texts, answer)]
+
+    gen_seconds: list[float] = []
+    generate = generation.GenerationMixin.generate
+
+    def timed_generate(self, *args, **kwargs):  # TRL generates through transformers' generate
+        start = time.perf_counter()
+        try:
+            return generate(self, *args, **kwargs)
+        finally:
+            gen_seconds.append(time.perf_counter() - start)
 
     class Timer(TrainerCallback):
         def __init__(self):
@@ -61,20 +89,28 @@ def run_trl(model_dir: Path, data: Path, steps: int, out: Path) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = GRPOConfig(
         output_dir=str(out), per_device_train_batch_size=PROMPTS_PER_STEP * N, num_generations=N,
-        gradient_accumulation_steps=1, max_completion_length=COMPLETION, max_steps=steps + 1,
+        gradient_accumulation_steps=1, max_completion_length=COMPLETION, max_steps=warmup + steps,
         learning_rate=1e-4, logging_steps=1, report_to="none", use_cpu=True, bf16=False, fp16=False,
         save_strategy="no", temperature=1.0, beta=0.0, dataloader_num_workers=0, use_vllm=False,
+        # TRL turns activation checkpointing on by default; off here, like polyrl's default (faster)
+        gradient_checkpointing=False,
     )
     timer = Timer()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
                           callbacks=[timer])
-    trainer.train()
-    times, lengths = timer.times[1:], timer.lengths[1:]
-    tokens = sum(length * PROMPTS_PER_STEP * N for length in lengths)
-    return {"tokens": tokens, "seconds": sum(times), "steps": len(times)}
+    generation.GenerationMixin.generate = timed_generate
+    try:
+        trainer.train()
+    finally:
+        generation.GenerationMixin.generate = generate
+    times, lengths, gens = timer.times[warmup:], timer.lengths[warmup:], gen_seconds[warmup:]
+    seconds = sum(times)
+    return {"tokens": sum(length * PROMPTS_PER_STEP * N for length in lengths), "seconds": seconds,
+            "phases": {"gen": sum(gens) / len(times), "rest": (seconds - sum(gens)) / len(times)}}
 
 
-def run_polyrl(model_dir: Path, data: Path, steps: int, out: Path, workers: int, extra: list[str]) -> dict:
+def run_polyrl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, workers: int,
+               extra: list[str]) -> dict:
     """`polyrl train` (FSDP engine, hf rollout) with the same batch; step time from its metrics."""
     manifest = out / "polyrl.toml"
     out.mkdir(parents=True, exist_ok=True)
@@ -82,53 +118,74 @@ def run_polyrl(model_dir: Path, data: Path, steps: int, out: Path, workers: int,
     executor = ["trainer.executor=local"] if workers == 1 else ["trainer.executor=ray", f"trainer.n_workers={workers}"]
     overrides = [
         f"model.path={model_dir}", f"data.train_files=[{data}]", f"data.train_batch_size={PROMPTS_PER_STEP}",
-        "data.max_prompt_length=64", f"data.max_response_length={COMPLETION}", "actor.engine=fsdp",
+        "data.max_prompt_length=256", f"data.max_response_length={COMPLETION}", "actor.engine=fsdp",
         f"actor.ppo_mini_batch_size={PROMPTS_PER_STEP}", f"actor.micro_batch_size={PROMPTS_PER_STEP * N}",
+        # the model fits on every rank: a full copy each (no parameter all-gathers), as for any small model
+        "actor.fsdp.fsdp_size=1",
         "actor.optim.lr=1e-4", f"rollout.n={N}", f"rollout.max_batch_size={PROMPTS_PER_STEP * N}",
-        f"trainer.total_steps={steps + 1}", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
+        f"trainer.total_steps={warmup + steps}", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
         f"trainer.run_dir={out / 'run'}", *executor, *extra,
     ]
     subprocess.run([sys.executable, "-m", "polyrl", "train", "--manifest", str(manifest), *overrides], check=True,
                    stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "timing/step" in r][1:]
+    rows = [r for r in rows if "timing/step" in r][warmup:]
     tokens = sum(r["response_length/mean"] * PROMPTS_PER_STEP * N for r in rows)
-    phases = sorted({k for r in rows for k in r if k.startswith("timing/") and k != "timing/step"})
-    print("  polyrl seconds per step: " + ", ".join(
-        f"{k[7:]} {sum(r.get(k, 0.0) for r in rows) / len(rows):.2f}" for k in phases), flush=True)
-    return {"tokens": tokens, "seconds": sum(r["timing/step"] for r in rows), "steps": len(rows)}
+    keys = sorted({k for r in rows for k in r if k.startswith("timing/") and k != "timing/step"})
+    phases = {k[len("timing/"):]: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys}
+    return {"tokens": tokens, "seconds": sum(r["timing/step"] for r in rows),
+            "phases": {k: v for k, v in phases.items() if v >= 0.005}}
+
+
+def _phases(result: dict) -> str:
+    return " ".join(f"{k} {v:.2f}" for k, v in result["phases"].items())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--workloads", nargs="+", default=["short", "long"], choices=["short", "long"])
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, on both sides")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--workers", type=int, default=2, help="polyrl data-parallel workers (1 = local executor)")
     parser.add_argument("--polyrl-args", nargs="*", default=[], help="extra `polyrl train` overrides (key=value)")
     parser.add_argument("--no-trl", action="store_true", help="run polyrl only (no ratio)")
     args = parser.parse_args()
-    from polyrl.data.synthetic import make_arithmetic_rows, write_jsonl
+    from polyrl.data.synthetic import write_jsonl
     from polyrl.models.tiny import make_tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="bench-trl-"))
-    data = root / "prompts.jsonl"
-    write_jsonl(make_arithmetic_rows(512, seed=0, max_operand=99, ops="+-"), data)
-    print(f"{'model':8} {'params':>8} {'TRL tok/s':>10} {'polyrl tok/s':>13} {'ratio':>6}")
-    for size in args.sizes:
-        model_dir = make_tiny_model(root / size, size=size, seed=0)
-        import torch
-        from transformers import AutoModelForCausalLM
+    print(f"{'workload':8} {'model':6} {'params':>7} {'TRL tok/s':>10} {'polyrl tok/s':>13} {'ratio':>6}", flush=True)
+    for workload in args.workloads:
+        data = write_jsonl(make_rows(workload), root / f"{workload}.jsonl")
+        for size in args.sizes:
+            model_dir = root / size
+            if not model_dir.exists():
+                make_tiny_model(model_dir, size=size, seed=0)
+            from safetensors import safe_open
 
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
-        del torch
-        ours = run_polyrl(model_dir, data, args.steps, root / f"polyrl-{size}", args.workers, args.polyrl_args)
-        p_rate = ours["tokens"] / ours["seconds"]
-        if args.no_trl:
-            print(f"{size:8} {params / 1e6:7.1f}M {'-':>10} {p_rate:13.1f} {'-':>6}", flush=True)
-            continue
-        trl = run_trl(model_dir, data, args.steps, root / f"trl-{size}")
-        t_rate = trl["tokens"] / trl["seconds"]
-        print(f"{size:8} {params / 1e6:7.1f}M {t_rate:10.1f} {p_rate:13.1f} {p_rate / t_rate:6.2f}", flush=True)
+            with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+                params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+            tag = f"{workload}-{size}"
+            ours = run_polyrl(model_dir, data, args.warmup, args.steps, root / f"polyrl-{tag}", args.workers,
+                              args.polyrl_args)
+            p_rate = ours["tokens"] / ours["seconds"]
+            if args.no_trl:
+                print(f"{workload:8} {size:6} {params / 1e6:6.1f}M {'-':>10} {p_rate:13.1f} {'-':>6}", flush=True)
+                print(f"    polyrl s/step: {_phases(ours)}", flush=True)
+                continue
+            trl = run_trl(model_dir, data, args.warmup, args.steps, root / f"trl-{tag}")
+            t_rate = trl["tokens"] / trl["seconds"]
+            print(f"{workload:8} {size:6} {params / 1e6:6.1f}M {t_rate:10.1f} {p_rate:13.1f} {p_rate / t_rate:6.2f}",
+                  flush=True)
+            print(f"    TRL s/step: {_phases(trl)} | polyrl s/step: {_phases(ours)}", flush=True)
+
+
+def _numel(shape: list[int]) -> int:
+    total = 1
+    for d in shape:
+        total *= d
+    return total
 
 
 if __name__ == "__main__":

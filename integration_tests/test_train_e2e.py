@@ -40,7 +40,27 @@ def test_grpo_local_executor(base_overrides, manifest_file, tmp_path):
 
 def test_grpo_ray_two_workers(base_overrides, manifest_file, tmp_path):
     train(manifest_file, [], base_overrides + ["trainer.executor=ray", "trainer.n_workers=2", "trainer.ray_num_cpus=2"])
-    _check_run(tmp_path / "run", 2)
+    rows = _check_run(tmp_path / "run", 2)
+    assert all(r["batch/rank_tokens_max_over_mean"] >= 1.0 for r in rows)
+
+
+def test_balancing_the_ranks_trains_the_same(base_overrides, manifest_file, tmp_path):
+    """`trainer.balance_batch` only moves whole prompt groups between the two ranks: with one mini-batch per
+    step the gradient is the same sum, so the run matches an unbalanced one step for step (replicated
+    engine, `fsdp_size=1`, to cover its gradient all-reduce under Ray as well)."""
+    runs = {}
+    for balance in ("true", "false"):
+        overrides = [o for o in base_overrides if not o.startswith("trainer.run_dir=")]
+        train(manifest_file, [], overrides + [
+            "trainer.executor=ray", "trainer.n_workers=2", "trainer.ray_num_cpus=2", "actor.ppo_mini_batch_size=4",
+            "actor.fsdp.fsdp_size=1", "trainer.test_freq=0", f"trainer.balance_batch={balance}",
+            f"trainer.run_dir={tmp_path / balance}"])
+        runs[balance] = [r for r in _metrics(tmp_path / balance) if "critic/score/mean" in r]
+    assert all("batch/rank_tokens_max_over_mean" in r for r in runs["true"])
+    assert not any("batch/rank_tokens_max_over_mean" in r for r in runs["false"])
+    for a, b in zip(runs["true"], runs["false"], strict=True):
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
 def test_ppo_with_critic_and_kl(base_overrides, manifest_file, tmp_path):

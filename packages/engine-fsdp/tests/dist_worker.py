@@ -8,17 +8,19 @@ import sys
 import torch
 
 
-def batch(seed: int = 0, rows: int = 8):
+def batch(seed: int = 0, rows: int = 8, group: int = 1):
+    """``rows`` random samples; consecutive runs of ``group`` rows share a prompt (GRPO's ``n`` samples)."""
     from polyrl.agent_loops import collate
     from polyrl.protocols import AgentLoopOutput
 
     g = torch.Generator().manual_seed(seed)
     outs = []
-    for _ in range(rows):
-        p = int(torch.randint(2, 9, (1,), generator=g))
+    for i in range(rows):
+        if i % group == 0:
+            p = int(torch.randint(2, 9, (1,), generator=g))
+            prompt = torch.randint(5, 200, (p,), generator=g).tolist()
         r = int(torch.randint(1, 10, (1,), generator=g))
-        outs.append(AgentLoopOutput(prompt_ids=torch.randint(5, 200, (p,), generator=g).tolist(),
-                                    response_ids=torch.randint(5, 200, (r,), generator=g).tolist(),
+        outs.append(AgentLoopOutput(prompt_ids=prompt, response_ids=torch.randint(5, 200, (r,), generator=g).tolist(),
                                     response_mask=[1] * r))
     b = collate(outs, pad_token_id=0, max_prompt_length=8, max_response_length=10)
     b["advantages"] = torch.randn(rows, 1, generator=g).expand(rows, 10).contiguous()
@@ -40,7 +42,8 @@ def make_engine(model_dir: str, role: str = "actor", model_type: str = "causal_l
 
     # eps=1e-6: attention's k_proj bias has an exactly-zero true gradient, and with eps=1e-8 Adam turns its
     # float-rounding noise (which depends on the reduction order, i.e. the world size) into lr-sized steps.
-    cfg = EngineRoleConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=kw.pop("lr", 1e-3), grad_clip=1.0, eps=1e-6),
+    optim = kw.pop("optim", None) or OptimConfig(lr=kw.pop("lr", 1e-3), grad_clip=1.0, eps=1e-6)
+    cfg = EngineRoleConfig(model=ModelConfig(path=model_dir), optim=optim,
                            micro_batch_size=kw.pop("micro_batch_size", 2), **kw)
     return FSDPEngine(cfg, role=role, model_type=model_type, platform=platform or CPUPlatform())
 
@@ -109,15 +112,18 @@ def main() -> None:
     # are what catches a wrong reduction; the weights then agree to 1e-6 absolute
     # "dynamic": token-budget micro-batches over packed sequences; the budget gives the ranks different
     # micro-batch counts, so the padding micro-batches that keep collectives in step are exercised
-    kw: dict = {"use_dynamic_bsz": True, "use_remove_padding": True, "max_token_len_per_gpu": 20} if scenario == "dynamic" else {}
-    if scenario.startswith("replicate"):  # fsdp_size=1: a full copy per rank, gradients all-reduced (HSDP)
-        from polyrl_engine_fsdp.config import FSDPConfig
+    # "replicate": fsdp_size=1, a plain module per rank with all-reduced gradients
+    # "grouped": rows share prompts in runs of 3 (micro-batches of 2 then hold one or two distinct prompts);
+    # "noshare" turns the shared-prompt forward off, so the two are compared
+    parts = set(scenario.split("-"))
+    kw: dict = {"use_dynamic_bsz": True, "use_remove_padding": True, "max_token_len_per_gpu": 20} if "dynamic" in parts else {}
+    from polyrl_engine_fsdp.config import FSDPConfig
 
-        kw["plugin_config"] = FSDPConfig(fsdp_size=1)
+    kw["plugin_config"] = FSDPConfig(fsdp_size=1 if "replicate" in parts else -1, shared_prompt="noshare" not in parts)
     engine = make_engine(model_dir, lr=1e-4, **kw)
-    results: dict = {"grad_norm": [], "loss": []}
+    results: dict = {"grad_norm": [], "loss": [], "replicated": engine.replicated}
     for step in range(3):
-        full = batch(seed=step)
+        full = batch(seed=step, group=3 if "grouped" in parts else 1)
         shard = full[rank * (8 // world) : (rank + 1) * (8 // world)]
         m = engine.train_batch(shard, loss_fn)
         results["grad_norm"].append(m["actor/grad_norm"])
@@ -129,12 +135,12 @@ def main() -> None:
         counts = [None] * world
         torch.distributed.all_gather_object(counts, len(real))
         results.setdefault("micro_batches", []).append(counts)
-        if scenario.endswith("resume") and step == 0:
+        if "resume" in parts and step == 0:
             engine.save_checkpoint(os.path.join(out, "ckpt"))
             engine = make_engine(model_dir, lr=1e-4, **kw)
             engine.load_checkpoint(os.path.join(out, "ckpt"))
     weights = {n: t.clone() for bucket in engine.weights_for_rollout(1 << 14) for n, t in bucket}
-    if scenario.startswith("replicate"):  # every rank holds the whole model
+    if "replicate" in parts:  # every rank holds the whole model
         local = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in engine.module.named_parameters()}
         results["local_equals_full"] = all(v.shape == getattr(p, "shape", v.shape) for n, p in
                                            engine.module.named_parameters() for v in [local[n]])

@@ -88,18 +88,68 @@ def test_save_load_continue_equals_uninterrupted(model_dir, tmp_path):
 
 
 def test_fsdp_size_one_replicates_and_matches_full_sharding(model_dir, tmp_path):
-    """``fsdp.fsdp_size=1`` (HSDP over a (2, 1) mesh: a full copy per rank, gradients all-reduced) trains
-    exactly like full sharding, and its checkpoints resume exactly."""
+    """``fsdp.fsdp_size=1`` (a plain module on each rank, gradients all-reduced) trains exactly like full
+    sharding, and its checkpoints resume exactly."""
     for sub in ("a", "b", "c"):
         (tmp_path / sub).mkdir()
     sharded = _run_group(2, model_dir, tmp_path / "a")
     replicated = _run_group(2, model_dir, tmp_path / "b", "replicate")
     resumed = _run_group(2, model_dir, tmp_path / "c", "replicate-resume")
+    assert not sharded["results"]["replicated"] and replicated["results"]["replicated"]
     assert replicated["results"]["local_equals_full"]
     for other in (replicated, resumed):
         assert sharded["results"]["grad_norm"] == pytest.approx(other["results"]["grad_norm"], rel=1e-6)
         for name, w in sharded["weights"].items():
             assert torch.allclose(w, other["weights"][name], atol=1e-6), name
+
+
+@pytest.mark.parametrize("layout", ["sharded", "replicate"])
+def test_shared_prompt_forward_trains_like_the_full_forward(model_dir, tmp_path, layout):
+    """Rows that share a prompt run it once (its KV cache copied to each row): the same losses, gradient norms
+    and weights as running every row whole, on 2 ranks, under full sharding and replicated."""
+    extra = "" if layout == "sharded" else "-replicate"
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+    whole = _run_group(2, model_dir, tmp_path / "a", f"grouped-noshare{extra}")
+    shared = _run_group(2, model_dir, tmp_path / "b", f"grouped{extra}")
+    assert whole["results"]["grad_norm"] == pytest.approx(shared["results"]["grad_norm"], rel=1e-5)
+    assert whole["results"]["loss"] == pytest.approx(shared["results"]["loss"], rel=1e-5)
+    for name, w in whole["weights"].items():
+        assert torch.allclose(w, shared["weights"][name], atol=1e-6), name
+
+
+def test_shared_prompt_log_probs_and_values_match_transformers(model_dir):
+    """Log-probs of rows sharing a prompt equal a plain transformers forward of each whole row, and a value
+    model gives the same values either way."""
+    from transformers import AutoModelForCausalLM
+
+    from polyrl_engine_fsdp.config import FSDPConfig
+    from polyrl_engine_fsdp.engine import _model_inputs, _trim
+
+    b = batch(seed=7, rows=6, group=3)
+    assert "prompt_ids" in _model_inputs(_trim(b), packed=False, shared_prompt=True)
+    engine = make_engine(str(model_dir), micro_batch_size=6)
+    got = engine.infer_batch(b)["log_probs"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    for row in range(6):
+        n = int(b["response_mask"][row].sum())
+        assert torch.allclose(got[row, :n], _hf_log_probs(model, b, row), atol=1e-5), row
+    values = {}
+    for share in (True, False):
+        critic = make_engine(str(model_dir), "critic", "value", micro_batch_size=6,
+                             plugin_config=FSDPConfig(shared_prompt=share))
+        critic.train_batch(b, lambda out, mb, scale: ((out["values"] * mb["response_mask"]).sum(), {}))
+        values[share] = critic.infer_batch(b)["values"]
+    assert values[True].abs().sum() > 0
+    assert torch.allclose(values[True], values[False], atol=1e-5)
+
+
+def test_fused_adamw_by_default_on_cpu(model_dir):
+    from polyrl.config.roles import OptimConfig
+
+    assert make_engine(str(model_dir)).optimizer.defaults["fused"]
+    plain = make_engine(str(model_dir), optim=OptimConfig(lr=1e-3, fused=False)).optimizer.defaults
+    assert not plain["fused"] and plain["foreach"]
 
 
 def test_dynamic_micro_batches_give_the_same_gradients(model_dir):

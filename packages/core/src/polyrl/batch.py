@@ -72,6 +72,33 @@ def split(td: TensorDict, parts: int) -> list[TensorDict]:
     return [td[i * step : (i + 1) * step] for i in range(parts)]
 
 
+def balanced_order(tokens: Sequence[int], groups: Sequence[Any], parts: int) -> tuple[list[int], float]:
+    """A row order whose ``parts`` contiguous equal shards carry about the same number of tokens.
+
+    Rows of one group (GRPO's samples of a prompt, by ``uid``) stay together, so each rank still sees whole
+    groups; groups are placed largest first on the least-loaded shard that has room (every group must
+    have the same number of rows, and the groups must divide evenly over ``parts``; otherwise the
+    identity order is returned). Returns the order and the heaviest shard's tokens over the mean.
+    """
+    size = len(tokens)
+    members: dict[Any, list[int]] = {}
+    for row, group in enumerate(groups):
+        members.setdefault(group, []).append(row)
+    rows_per_group = {len(m) for m in members.values()}
+    if parts <= 1 or size % parts or len(rows_per_group) != 1 or len(members) % parts:
+        return list(range(size)), 1.0
+    per_part = len(members) // parts
+    load = [0] * parts
+    placed: list[list[list[int]]] = [[] for _ in range(parts)]
+    for rows in sorted(members.values(), key=lambda m: (-sum(tokens[i] for i in m), m[0])):
+        part = min((p for p in range(parts) if len(placed[p]) < per_part), key=lambda p: (load[p], p))
+        placed[part].append(rows)
+        load[part] += sum(tokens[i] for i in rows)
+    order = [row for part in placed for rows in sorted(part) for row in rows]
+    mean = sum(load) / parts
+    return order, (max(load) / mean if mean else 1.0)
+
+
 def require_fields(td: TensorDict, fields: Sequence[str], who: str) -> None:
     """Raise ``KeyError`` naming every field in ``fields`` that ``td`` lacks."""
     missing = [f for f in fields if f not in td.keys()]

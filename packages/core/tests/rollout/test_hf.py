@@ -106,3 +106,27 @@ def test_shared_prefill_samples_what_separate_prefills_sample(hf_rollout, tiny_m
         logits = model(ids).logits[0, len(res.prompt_ids) - 1 : -1]
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(res.response_ids)[:, None]).squeeze(-1)
         assert torch.allclose(expected, torch.tensor(res.log_probs), atol=1e-4)
+
+
+def test_rows_that_stop_early_leave_the_batch_without_disturbing_the_rest(hf_rollout, tiny_model_dir):
+    """Finished rows are dropped from the batch and its KV cache mid-generation: every row's tokens must
+    still be what the model gives that row alone (log-probs of a plain forward), stopping rows end on a
+    stop token, and the others run to the length limit."""
+    from transformers import AutoModelForCausalLM
+
+    stop_ids = list(range(100, 230))  # about half the vocabulary: rows stop at many different steps
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=2, n=4, stop_token_ids=stop_ids)
+    reqs = [GenerationRequest([5, 6, 7], params), GenerationRequest([9, 10, 11, 12, 13], params)]
+    results = hf_rollout.generate(reqs)
+    lengths = [len(r.response_ids) for r in results]
+    assert len(set(lengths)) > 2, lengths
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    for res in results:
+        if res.finish_reason == "stop":
+            assert res.response_ids[-1] in stop_ids and not set(res.response_ids[:-1]) & set(stop_ids)
+        else:
+            assert len(res.response_ids) == 10 and not set(res.response_ids) & set(stop_ids)
+        ids = torch.tensor([res.prompt_ids + res.response_ids])
+        logits = model(ids).logits[0, len(res.prompt_ids) - 1 : -1]
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(res.response_ids)[:, None]).squeeze(-1)
+        assert torch.allclose(expected, torch.tensor(res.log_probs), atol=1e-4)

@@ -23,5 +23,9 @@ class FSDPConfig:
     #: a divisor of the world size replicates that many-way sharded copies across the rest (HSDP);
     #: ``1`` keeps a full copy on every rank and only all-reduces gradients (DDP-like).
     fsdp_size: int = -1
+    #: Run each distinct prompt of a micro-batch once and let its rows' responses attend to its KV cache
+    #: (GRPO's ``n`` samples of a prompt): same log-probs and gradients, ``(n - 1) / n`` of the prompt
+    #: tokens' compute saved. Off with ``use_remove_padding`` or gradient checkpointing.
+    shared_prompt: bool = True
     #: What ``export_hf`` writes for a LoRA model: ``merged`` weights or the ``adapter`` alone.
     lora_export: str = "merged"

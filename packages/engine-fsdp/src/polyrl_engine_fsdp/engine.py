@@ -1,7 +1,9 @@
 """The FSDP2 engine: :class:`polyrl.protocols.Engine` over transformers models.
 
 Each decoder layer and the whole model are ``fully_shard``-ed over a 1-D device
-mesh (pure data parallelism). The model sits inside :class:`_Head`, a root module
+mesh (pure data parallelism), or a 2-D (replicate, shard) mesh for HSDP. When each
+copy of the model lives on one rank (one rank, or ``fsdp.fsdp_size=1``), the model
+stays a plain module and gradients are all-reduced (DDP-like). The model sits inside :class:`_Head`, a root module
 whose forward runs the backbone and then the LM head on the response positions
 only, in chunks, so ``[tokens x vocab]`` logits never exist whole.
 """
@@ -59,11 +61,30 @@ class _Head(nn.Module):
         return inner.base_model, head
 
     def forward(self, input_ids, attention_mask, position_ids, index, targets, temperature: float = 1.0,
-                compute_entropy: bool = False) -> dict[str, torch.Tensor]:
-        """Flat ``log_probs`` (and ``entropy``) or ``values`` of the tokens ``index`` selects."""
+                compute_entropy: bool = False, prompt_ids=None, prompt_mask=None, prompt_positions=None,
+                prompt_of_row=None) -> dict[str, torch.Tensor]:
+        """Flat ``log_probs`` (and ``entropy``) or ``values`` of the tokens ``index`` selects.
+
+        With ``prompt_ids`` (the shared-prompt form), the distinct prompts ``[U, P]`` run once, their KV cache
+        is copied to the rows (``prompt_of_row``, ``[B]``) and ``input_ids`` ``[B, R]`` are the responses
+        alone, attending to it; ``index`` then points into ``[B, R]``: the last prompt position followed by
+        the first ``R - 1`` response positions, the states that predict response tokens ``0 .. R-1``.
+        """
         backbone, head = self._parts()
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state
+        if prompt_ids is None:
+            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).last_hidden_state
+        else:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=backbone.config)
+            prefix = backbone(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions,
+                              past_key_values=cache, use_cache=True)
+            cache = prefix.past_key_values
+            cache.reorder_cache(prompt_of_row)  # index_select: gradients of every row flow back to its prompt
+            rest = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=cache, use_cache=True).last_hidden_state
+            hidden = torch.cat([prefix.last_hidden_state[prompt_of_row, -1:], rest[:, :-1]], dim=1)
         h = hidden.reshape(-1, hidden.shape[-1])[index]
         if self.model_type == "value":
             return {"values": head(h).squeeze(-1).float().clone()}
@@ -117,6 +138,9 @@ class FSDPEngine:
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
         self.step = 0
         self.lora = config.model.lora.rank > 0
+        # HF models drop the KV cache under gradient checkpointing, which the shared-prompt forward needs
+        self._shared_prompt = (self.fsdp.shared_prompt and not config.use_remove_padding
+                               and not config.model.gradient_checkpointing)
         self._build_model()
         self.optimizer = self.scheduler = None
         if role != "ref":
@@ -162,11 +186,22 @@ class FSDPEngine:
         model = self._load_hf(path, hf_config, dtype, mcfg)
         hf_config.architectures = [type(model).__name__]  # what export_hf writes (a value model's own class)
         if mcfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):  # the newer name (the old one warns)
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora:
             model = self._apply_lora(model, mcfg.lora)
         root = _Head(model, self.model_type, max(1, self.config.logits_chunk_size))
-        mesh = self._mesh(init_device_mesh)
+        shard_ranks = self._shard_ranks()
+        # One rank per shard and nothing FSDP-specific asked for: a plain module on every rank (DDP-like).
+        # fully_shard over one rank would only add a copy-in/copy-out of every layer per pass.
+        self.replicated = (shard_ranks == 1 and not self.fsdp.param_offload
+                           and _dtype(self.fsdp.param_dtype, "") == dtype)
+        if self.replicated:
+            self.module = root.to(self.device)
+            return
+        mesh = self._mesh(init_device_mesh, shard_ranks)
         mp = MixedPrecisionPolicy(param_dtype=_dtype(self.fsdp.param_dtype, ""),
                                   reduce_dtype=_dtype(self.fsdp.reduce_dtype, ""))
         kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": self.fsdp.reshard_after_forward}
@@ -182,15 +217,55 @@ class FSDPEngine:
             root.to(self.device)
         self.module = root
 
-    def _mesh(self, init_device_mesh: Any) -> Any:
-        """1-D mesh for FSDP over all ranks, or a (replicate, shard) mesh for HSDP with ``fsdp_size``."""
+    def _shard_ranks(self) -> int:
+        """How many ranks share one copy of the model (``fsdp.fsdp_size``, checked against the world size)."""
         size = self.fsdp.fsdp_size
         if size == -1 or size >= self._world:
-            return init_device_mesh(self.platform.device_type, (self._world,))
+            return self._world
         if size < 1 or self._world % size:
             raise ConfigError(f"{self.role}.fsdp.fsdp_size={size} must be -1 or divide the {self._world} ranks")
-        return init_device_mesh(self.platform.device_type, (self._world // size, size),
+        return size
+
+    def _mesh(self, init_device_mesh: Any, shard_ranks: int) -> Any:
+        """1-D mesh for FSDP over all ranks, or a (replicate, shard) mesh for HSDP."""
+        if shard_ranks == self._world:
+            return init_device_mesh(self.platform.device_type, (self._world,))
+        return init_device_mesh(self.platform.device_type, (self._world // shard_ranks, shard_ranks),
                                 mesh_dim_names=("replicate", "shard"))
+
+    def _all_reduce_grads(self, bucket_bytes: int = 64 << 20) -> None:
+        """Replicated model: average every trainable gradient over the ranks (what FSDP's reduce does).
+
+        Gradients go in flat buckets of about ``bucket_bytes`` (in ``fsdp.reduce_dtype``), all launched
+        before the first is waited on. A parameter this rank gave no gradient contributes zeros, so every
+        rank reduces the same tensors.
+        """
+        if self._world == 1:
+            return
+        reduce_dtype = _dtype(self.fsdp.reduce_dtype, "")
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        buckets: list[list[torch.Tensor]] = [[]]
+        size = 0
+        for p in params:
+            if size >= bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += p.numel() * reduce_dtype.itemsize
+        pending = []
+        for bucket in buckets:
+            flat = torch.cat([p.grad.reshape(-1).to(reduce_dtype) for p in bucket])
+            pending.append((dist.all_reduce(flat, async_op=True), flat, bucket))
+        for work, flat, bucket in pending:
+            work.wait()
+            flat.div_(self._world)
+            offset = 0
+            for p in bucket:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
 
     def _load_hf(self, path: Path, hf_config: Any, dtype: torch.dtype, mcfg: Any) -> nn.Module:
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
@@ -232,8 +307,11 @@ class FSDPEngine:
     def _build_optimizer(self) -> None:
         o = self.config.optim
         params = [p for p in self.module.parameters() if p.requires_grad]
+        # torch picks the per-parameter loop on CPU unless told otherwise; the fused kernel is ~5x faster there
+        fused = o.fused if o.fused is not None else self.device.type in _fused_adam_devices()
+        impl = {"fused": True} if fused else {"foreach": True}
         self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                           weight_decay=o.weight_decay)
+                                           weight_decay=o.weight_decay, **impl)
         total = max(1, o.total_steps)
         warmup = o.warmup_steps or int(o.warmup_ratio * total)
 
@@ -254,10 +332,12 @@ class FSDPEngine:
                  ) -> tuple[dict[str, torch.Tensor], TensorDict]:
         """Run the model on ``mb`` (trimmed of all-padding columns); outputs are ``[b, R']`` on the device."""
         mb = _trim(mb)
-        inputs = _model_inputs(mb, packed=self.config.use_remove_padding)
+        inputs = _model_inputs(mb, packed=self.config.use_remove_padding, shared_prompt=self._shared_prompt,
+                               uniform=not self.replicated)
         dev = {k: v.to(self.device) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        shared = {k: dev[k] for k in ("prompt_ids", "prompt_mask", "prompt_positions", "prompt_of_row") if k in dev}
         flat = self.module(dev["input_ids"], dev.get("attention_mask"), dev["position_ids"], dev["index"],
-                           dev["targets"], temperature=temperature, compute_entropy=compute_entropy)
+                           dev["targets"], temperature=temperature, compute_entropy=compute_entropy, **shared)
         shape = mb["responses"].shape
         rows, cols = dev["rows"], dev["cols"]
         out = {k: torch.zeros(shape, dtype=v.dtype, device=v.device).index_put((rows, cols), v)
@@ -351,6 +431,8 @@ class FSDPEngine:
             if rows is not None:  # a padding micro-batch's metrics would dilute the mean
                 for k, v in m.items():
                     metrics[k] = metrics.get(k, 0.0) + float(v) / real
+        if self.replicated:
+            self._all_reduce_grads()
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.module.parameters() if p.requires_grad], self.config.optim.grad_clip or float("inf"))
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
@@ -553,6 +635,16 @@ def _ensure_process_group(backend: str) -> None:
                      int(os.environ.get("MASTER_PORT", 0)) or free_port())
 
 
+def _fused_adam_devices() -> set[str]:
+    """Device types with a fused AdamW kernel in this torch build."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        return set(_get_fused_kernels_supported_devices())
+    except ImportError:  # a torch without the helper: only what every build since 2.4 has
+        return {"cuda", "cpu"}
+
+
 def _dtype(name: str, key: str) -> torch.dtype:
     """``"bfloat16"`` -> ``torch.bfloat16``; a ConfigError naming ``key`` for anything else."""
     value = getattr(torch, str(name), None)
@@ -587,7 +679,8 @@ def _adapter_name(name: str) -> str:
     return name
 
 
-def _model_inputs(mb: TensorDict, packed: bool) -> dict[str, torch.Tensor | None]:
+def _model_inputs(mb: TensorDict, packed: bool, shared_prompt: bool = False,
+                  uniform: bool = False) -> dict[str, torch.Tensor | None]:
     """The model's inputs for ``mb`` and where each response token's prediction is.
 
     Response token ``t`` of row ``i`` (column ``S - R + t``) is predicted from column ``S - R - 1 + t``;
@@ -595,6 +688,10 @@ def _model_inputs(mb: TensorDict, packed: bool) -> dict[str, torch.Tensor | None
     into the flattened ``[tokens, hidden]`` states, ``rows``/``cols`` place each result in ``[b, R]``.
     With ``packed``, the real tokens of all rows are concatenated into one ``[1, T]`` row without
     padding; transformers then masks attention per sequence from the restarting ``position_ids``.
+    With ``shared_prompt`` and rows that repeat a prompt (GRPO's ``n`` samples), each distinct prompt
+    runs once and the responses attend to its copied KV cache (see :meth:`_Head.forward`). ``uniform``
+    takes that two-pass form even when no prompt repeats: sharded ranks must all run the same passes
+    (each pass all-gathers every layer), whatever their rows.
     """
     ids, attn, pos = mb["input_ids"], mb["attention_mask"], mb["position_ids"]
     b, s = ids.shape
@@ -604,6 +701,17 @@ def _model_inputs(mb: TensorDict, packed: bool) -> dict[str, torch.Tensor | None
     rows, cols = (valid[:, s - r :] & prev[:, s - r :]).nonzero(as_tuple=True)
     pred_col = s - r - 1 + cols
     targets = mb["responses"][rows, cols]
+    if shared_prompt and not packed and s > r:
+        # distinct (ids, mask) prompt rows; left padding makes column s - r - 1 every prompt's last token
+        key = torch.cat([ids[:, : s - r], attn[:, : s - r]], dim=1)
+        unique, prompt_of_row = torch.unique(key, dim=0, return_inverse=True)
+        if (unique.shape[0] < b or uniform) and bool(valid[:, s - r - 1].all()):
+            first = torch.full((unique.shape[0],), b, dtype=torch.long).scatter_reduce(
+                0, prompt_of_row, torch.arange(b), reduce="amin")
+            return {"input_ids": ids[:, s - r :], "attention_mask": attn, "position_ids": pos[:, s - r :],
+                    "prompt_ids": ids[first, : s - r], "prompt_mask": attn[first, : s - r],
+                    "prompt_positions": pos[first, : s - r], "prompt_of_row": prompt_of_row,
+                    "index": rows * r + cols, "targets": targets, "rows": rows, "cols": cols}
     if packed and _packs_cleanly(pos, valid):
         place = (valid.flatten().cumsum(0) - 1).view(b, s)
         return {"input_ids": ids[valid][None], "attention_mask": None, "position_ids": pos[valid][None],

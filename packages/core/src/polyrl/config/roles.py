@@ -72,6 +72,9 @@ class OptimConfig:
     #: Optimizer steps of the whole run; the trainer fills it in.
     total_steps: int = 0
     grad_clip: float = 1.0
+    #: The fused AdamW kernel (one kernel over all parameters): ``None`` uses it where the engine's device
+    #: supports it (CUDA, CPU, ...), ``false`` falls back to the multi-tensor (``foreach``) implementation.
+    fused: bool | None = None
 
 
 @dataclass

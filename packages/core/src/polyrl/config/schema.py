@@ -179,6 +179,9 @@ class TrainerSection:
     seed: int = 1
     #: Weight sync bucket size in MiB.
     weight_bucket_mb: int = 256
+    #: Reorder each step's batch so every data-parallel rank gets about the same number of tokens, keeping
+    #: each prompt's samples together (verl's ``balance_batch``); ranks wait less for each other.
+    balance_batch: bool = True
 
 
 @dataclass

@@ -7,6 +7,7 @@ anywhere, and is exact: it samples from the very model the trainer trains.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ class HFRollout:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         # remove_duplicate=False: a tied lm_head is reachable under both of its names
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         #: Prefill each distinct prompt of a batch once (False: one prefill row per sample, for comparison).
         self.share_prefill = True
 
@@ -87,33 +89,38 @@ class HFRollout:
         out_tokens = torch.full((b, params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
         out_logp = torch.zeros((b, params.max_new_tokens), dtype=torch.float32, device=self.device)
         lengths = torch.zeros(b, dtype=torch.long, device=self.device)
-        done = torch.zeros(b, dtype=torch.bool, device=self.device)
         stopped = torch.zeros(b, dtype=torch.bool, device=self.device)
         position = (mask.cumsum(-1) - 1).clamp(min=0)
         past = None
         cur_ids, cur_pos, attn = ids, position, mask
         stop_t = torch.tensor(sorted(stop), device=self.device) if stop else None
+        # Rows still generating (indices into the batch); finished rows leave the batch and its KV cache,
+        # so the tail of a batch with mixed lengths costs what its live rows cost.
+        live = torch.arange(b, device=self.device)
+        extra = {"logits_to_keep": 1} if self._keeps_logits else {}  # no [prompt x vocab] logits at prefill
         for t in range(params.max_new_tokens):
             out = self.model(input_ids=cur_ids, attention_mask=attn, position_ids=cur_pos, past_key_values=past,
-                             use_cache=True)
+                             use_cache=True, **extra)
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
             if t == 0 and expand is not None:  # one prefilled row per distinct prompt -> one row per sample
                 past.reorder_cache(expand)
                 logits, cur_pos, attn = logits[expand], cur_pos[expand], attn[expand]
             token, logp = _sample(logits, params, generator)
-            token = torch.where(done, torch.full_like(token, self.pad_id), token)
-            out_tokens[:, t] = token
-            out_logp[:, t] = torch.where(done, torch.zeros_like(logp), logp)
-            lengths += (~done).long()
-            hit = torch.isin(token, stop_t) & ~done if stop_t is not None else torch.zeros_like(done)
-            stopped |= hit
-            done |= hit
-            if bool(done.all()):
-                break
+            out_tokens[live, t] = token
+            out_logp[live, t] = logp
+            lengths[live] += 1
+            hit = torch.isin(token, stop_t) if stop_t is not None else torch.zeros_like(token, dtype=torch.bool)
+            stopped[live] |= hit
+            if bool(hit.any()):
+                keep = (~hit).nonzero().squeeze(-1)
+                if keep.numel() == 0:
+                    break
+                live, token, cur_pos, attn = live[keep], token[keep], cur_pos[keep], attn[keep]
+                past.reorder_cache(keep)
             cur_ids = token.unsqueeze(-1)
             cur_pos = cur_pos[:, -1:] + 1
-            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)  # finished rows' tokens are discarded
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)
         results = []
         for i, (req, k) in enumerate(items):
             n = int(lengths[i])

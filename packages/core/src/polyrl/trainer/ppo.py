@@ -244,6 +244,12 @@ class PPOTrainer:
             batch = _fit_to_groups(batch, cfg.data.train_batch_size, n, cfg.trainer.n_workers, cfg.actor.ppo_mini_batch_size)
         metrics: dict[str, float] = {"train/gen_rounds": float(gen_rounds)}
         metrics.update({k: float(np.mean(v)) for k, v in reward_metrics.items()})
+        world = groups.actor.world_size
+        if cfg.trainer.balance_batch and world > 1:  # every rank about the same tokens, groups kept whole
+            order, imbalance = batch_ops.balanced_order(
+                batch["attention_mask"].sum(-1).tolist(), batch_ops.non_tensor(batch, "uid"), world)
+            batch = batch[torch.tensor(order)]
+            metrics["batch/rank_tokens_max_over_mean"] = imbalance
 
         # old log-probs (actor) -> ref log-probs -> values (critic)
         if not self.skip_old_log_prob:

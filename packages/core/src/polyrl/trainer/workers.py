@@ -114,6 +114,23 @@ def _resources(config: Any) -> dict[str, float]:
     return bundle
 
 
+#: What Ray appends to its temp dir for its longest socket path: ``/session_<date>_<time>_<us>_<pid>/sockets/plasma_store``.
+_RAY_SOCKET_SUFFIX = len("/session_2026-01-01_00-00-00_000000_4194304/sockets/plasma_store")
+_UNIX_SOCKET_MAX = 107
+
+
+def ray_temp_dir(run_dir: Path) -> Path:
+    """``run_dir/ray``, or a short folder in the system temp dir when Ray's socket paths under it would
+    not fit the 107 bytes a unix socket path may have (a deeply nested run directory)."""
+    temp_dir = run_dir / "ray"
+    if len(str(temp_dir.resolve()).encode()) + _RAY_SOCKET_SUFFIX > _UNIX_SOCKET_MAX:
+        import tempfile
+
+        temp_dir = Path(tempfile.mkdtemp(prefix="polyrl-ray-"))
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    return temp_dir
+
+
 def start_ray(config: Any, run_dir: Path) -> bool:
     """Start Ray for this run (temporary files under the run directory); False if already running."""
     import ray
@@ -122,12 +139,7 @@ def start_ray(config: Any, run_dir: Path) -> bool:
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    temp_dir = run_dir / "ray"
-    if len(str(temp_dir)) > 60:  # Ray's unix socket paths must stay under ~107 characters
-        import tempfile
-
-        temp_dir = Path(tempfile.mkdtemp(prefix="polyrl-ray-"))
-    temp_dir.mkdir(parents=True, exist_ok=True)
+    temp_dir = ray_temp_dir(run_dir)
     num_cpus = config.trainer.ray_num_cpus or max(os.cpu_count() or 1, config.trainer.n_workers + config.trainer.rollout_workers)
     ray.init(
         num_cpus=num_cpus,
