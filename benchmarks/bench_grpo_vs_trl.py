@@ -5,12 +5,13 @@ Both sides train the same random-init model (``tiny`` and ``small`` from
 completion length, batch, learning rate and precision (float32), on this machine's
 CPU, for ``--steps`` GRPO steps after ``--warmup`` steps that are not timed.
 Workloads: ``short`` (synthetic arithmetic, ~9-token prompts) and ``long`` (the same
-questions after a fixed ~170-token few-shot preamble, as in GSM8K-style prompting).
-Reported: completion tokens per second of step time for each, the ratio polyrl / TRL,
-and where each side's step time goes. See docs/benchmarks.md for the method.
+questions after a fixed few-shot preamble, 200-token prompts, as in GSM8K-style prompting).
+polyrl runs with each of ``--workers`` data-parallel workers (2: both cores; 1: one
+process on one core, as TRL's trainer). Reported: completion tokens per second of step
+time for each, the ratio polyrl / TRL, and where each side's step time goes. See docs/benchmarks.md for the method.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_grpo_vs_trl.py [--sizes tiny small] \\
-        [--workloads short long] [--warmup 2] [--steps 5] [--workers 2]
+        [--workloads short long] [--warmup 2] [--steps 5] [--workers 2 1]
 """
 
 from __future__ import annotations
@@ -147,38 +148,41 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["short", "long"], choices=["short", "long"])
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, on both sides")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
-    parser.add_argument("--workers", type=int, default=2, help="polyrl data-parallel workers (1 = local executor)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 1],
+                        help="polyrl data-parallel worker counts to run (1 = local executor, TRL's one process)")
     parser.add_argument("--polyrl-args", nargs="*", default=[], help="extra `polyrl train` overrides (key=value)")
     parser.add_argument("--no-trl", action="store_true", help="run polyrl only (no ratio)")
     args = parser.parse_args()
+    from safetensors import safe_open
+
     from polyrl.data.synthetic import write_jsonl
     from polyrl.models.tiny import make_tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="bench-trl-"))
-    print(f"{'workload':8} {'model':6} {'params':>7} {'TRL tok/s':>10} {'polyrl tok/s':>13} {'ratio':>6}", flush=True)
+    print(f"{'workload':8} {'model':6} {'params':>7} {'TRL tok/s':>10} {'workers':>7} {'polyrl tok/s':>13} "
+          f"{'ratio':>6}", flush=True)
     for workload in args.workloads:
         data = write_jsonl(make_rows(workload), root / f"{workload}.jsonl")
         for size in args.sizes:
             model_dir = root / size
             if not model_dir.exists():
                 make_tiny_model(model_dir, size=size, seed=0)
-            from safetensors import safe_open
-
             with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
                 params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
             tag = f"{workload}-{size}"
-            ours = run_polyrl(model_dir, data, args.warmup, args.steps, root / f"polyrl-{tag}", args.workers,
-                              args.polyrl_args)
-            p_rate = ours["tokens"] / ours["seconds"]
-            if args.no_trl:
-                print(f"{workload:8} {size:6} {params / 1e6:6.1f}M {'-':>10} {p_rate:13.1f} {'-':>6}", flush=True)
-                print(f"    polyrl s/step: {_phases(ours)}", flush=True)
-                continue
-            trl = run_trl(model_dir, data, args.warmup, args.steps, root / f"trl-{tag}")
-            t_rate = trl["tokens"] / trl["seconds"]
-            print(f"{workload:8} {size:6} {params / 1e6:6.1f}M {t_rate:10.1f} {p_rate:13.1f} {p_rate / t_rate:6.2f}",
-                  flush=True)
-            print(f"    TRL s/step: {_phases(trl)} | polyrl s/step: {_phases(ours)}", flush=True)
+            trl = None if args.no_trl else run_trl(model_dir, data, args.warmup, args.steps, root / f"trl-{tag}")
+            t_rate = trl["tokens"] / trl["seconds"] if trl else None
+            if trl:
+                print(f"    TRL s/step: {_phases(trl)}", flush=True)
+            for workers in args.workers:
+                ours = run_polyrl(model_dir, data, args.warmup, args.steps, root / f"polyrl-{tag}-{workers}", workers,
+                                  args.polyrl_args)
+                p_rate = ours["tokens"] / ours["seconds"]
+                ratio = f"{p_rate / t_rate:6.2f}" if t_rate else f"{'-':>6}"
+                trl_col = f"{t_rate:10.1f}" if t_rate else f"{'-':>10}"
+                print(f"{workload:8} {size:6} {params / 1e6:6.1f}M {trl_col} {workers:7d} {p_rate:13.1f} {ratio}",
+                      flush=True)
+                print(f"    polyrl ({workers} worker{'s' if workers > 1 else ''}) s/step: {_phases(ours)}", flush=True)
 
 
 def _numel(shape: list[int]) -> int:

@@ -34,6 +34,14 @@ def _log(tracker: Tracker, steps: dict[int, dict[str, float]]) -> None:
         tracker.log({**metrics, "actor/nan": float("nan"), "actor/inf": float("inf"), "note": "text"}, step)
 
 
+def _log_run(backend: str, run_dir: Path, steps: dict[int, dict[str, float]], **kwargs) -> None:
+    """A whole run of one backend: open (with CONFIG unless given), log ``steps``, close."""
+    kwargs.setdefault("config", CONFIG)
+    tracker = Tracker([backend], run_dir, project="proj", experiment="exp", **kwargs)
+    _log(tracker, steps)
+    tracker.close()
+
+
 @pytest.fixture(autouse=True)
 def _offline(tmp_path, monkeypatch):
     """No network and nothing outside tmp_path: W&B offline with its dirs in tmp_path, MLflow default store."""
@@ -91,10 +99,8 @@ def test_tensorboard_writes_scalars_and_config_under_run_dir(tmp_path):
     from tensorboard.util import tensor_util
 
     run_dir = tmp_path / "run"
-    tracker = Tracker(["tensorboard"], run_dir, project="proj", experiment="exp", config=CONFIG)
     steps = _steps(1, 3)
-    _log(tracker, steps)
-    tracker.close()
+    _log_run("tensorboard", run_dir, steps)
 
     got = _tb_scalars(run_dir / "tensorboard")
     assert got == _expected(steps)
@@ -108,16 +114,12 @@ def test_tensorboard_writes_scalars_and_config_under_run_dir(tmp_path):
 def test_tensorboard_resume_replaces_steps_after_the_checkpoint(tmp_path):
     pytest.importorskip("tensorboard")
     run_dir = tmp_path / "run"
-    tracker = Tracker(["tensorboard"], run_dir, project="proj", experiment="exp")
-    _log(tracker, _steps(1, 3))  # crashed after logging step 3, last checkpoint at step 2
-    tracker.close()
+    _log_run("tensorboard", run_dir, _steps(1, 3), config=None)  # crashed after logging step 3, last checkpoint at step 2
     first_second = int(time.time())
     while int(time.time()) == first_second:  # event files sort by their creation second
         time.sleep(0.02)
 
-    tracker = Tracker(["tensorboard"], run_dir, project="proj", experiment="exp", resume=True)
-    _log(tracker, _steps(3, 5, scale=10.0))
-    tracker.close()
+    _log_run("tensorboard", run_dir, _steps(3, 5, scale=10.0), config=None, resume=True)
 
     expected = {**_steps(1, 2), **_steps(3, 5, scale=10.0)}
     assert _tb_scalars(run_dir / "tensorboard") == _expected(expected)
@@ -175,10 +177,8 @@ def _wandb_run(run_dir: Path, index: int = 0) -> dict:
 def test_wandb_offline_run_holds_metrics_and_config(tmp_path):
     pytest.importorskip("wandb")
     run_dir = tmp_path / "run"
-    tracker = Tracker(["wandb"], run_dir, project="proj", experiment="exp", config=CONFIG)
     steps = _steps(1, 3)
-    _log(tracker, steps)
-    tracker.close()
+    _log_run("wandb", run_dir, steps)
 
     run = _wandb_run(run_dir)
     assert run["id"] == (run_dir / WANDB_ID_FILE).read_text().strip()
@@ -192,14 +192,10 @@ def test_wandb_offline_run_holds_metrics_and_config(tmp_path):
 def test_wandb_resume_continues_the_same_run(tmp_path):
     pytest.importorskip("wandb")
     run_dir = tmp_path / "run"
-    tracker = Tracker(["wandb"], run_dir, project="proj", experiment="exp", config=CONFIG)
-    _log(tracker, _steps(1, 2))
-    tracker.close()
+    _log_run("wandb", run_dir, _steps(1, 2))
     run_id = (run_dir / WANDB_ID_FILE).read_text().strip()
 
-    tracker = Tracker(["wandb"], run_dir, project="proj", experiment="exp", config=CONFIG, resume=True)
-    _log(tracker, _steps(3, 4))
-    tracker.close()
+    _log_run("wandb", run_dir, _steps(3, 4), resume=True)
     assert (run_dir / WANDB_ID_FILE).read_text().strip() == run_id
     first, second = _wandb_run(run_dir, 0), _wandb_run(run_dir, 1)
     assert first["id"] == second["id"] == run_id
@@ -286,10 +282,8 @@ def _mlflow_history(client, run_id: str, key: str) -> dict[int, float]:
 def test_mlflow_default_store_under_run_dir(tmp_path):
     pytest.importorskip("mlflow")
     run_dir = tmp_path / "run"
-    tracker = Tracker(["mlflow"], run_dir, project="proj", experiment="exp", config=CONFIG)
     steps = _steps(1, 3)
-    _log(tracker, steps)
-    tracker.close()
+    _log_run("mlflow", run_dir, steps)
 
     client = _mlflow_client((run_dir / "mlruns").as_uri())
     run_id = (run_dir / MLFLOW_ID_FILE).read_text().strip()
@@ -317,9 +311,7 @@ def test_mlflow_respects_tracking_uri(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store.as_uri())
     run_dir = tmp_path / "run"
-    tracker = Tracker(["mlflow"], run_dir, project="proj", experiment="exp")
-    _log(tracker, _steps(1, 2))
-    tracker.close()
+    _log_run("mlflow", run_dir, _steps(1, 2), config=None)
     assert not (run_dir / "mlruns").exists()
     run_id = (run_dir / MLFLOW_ID_FILE).read_text().strip()
     assert _mlflow_history(_mlflow_client(store.as_uri()), run_id, "critic/score/mean") == {1: 0.1, 2: 0.2}
@@ -328,15 +320,11 @@ def test_mlflow_respects_tracking_uri(tmp_path, monkeypatch):
 def test_mlflow_resume_continues_the_same_run(tmp_path, capfd):
     pytest.importorskip("mlflow")
     run_dir = tmp_path / "run"
-    tracker = Tracker(["mlflow"], run_dir, project="proj", experiment="exp", config=CONFIG)
-    _log(tracker, _steps(1, 2))
-    tracker.close()
+    _log_run("mlflow", run_dir, _steps(1, 2))
     run_id = (run_dir / MLFLOW_ID_FILE).read_text().strip()
 
     changed = {**CONFIG, "actor": {**CONFIG["actor"], "ppo_epochs": 3}, "extra": 7}
-    tracker = Tracker(["mlflow"], run_dir, project="proj", experiment="exp", config=changed, resume=True)
-    _log(tracker, _steps(3, 4))
-    tracker.close()
+    _log_run("mlflow", run_dir, _steps(3, 4), config=changed, resume=True)
 
     assert (run_dir / MLFLOW_ID_FILE).read_text().strip() == run_id
     client = _mlflow_client((run_dir / "mlruns").as_uri())
