@@ -22,7 +22,7 @@ def make_actor_loss(cfg: Any, *, on_policy: bool = False):
     ``on_policy``: the batch carries no ``old_log_probs`` because this update is the first and only
     pass over it; the current log-probs, detached, are the old ones (ratio 1, the same gradient).
     """
-    from polyrl.algorithms import agg_loss, get_policy_loss_fn, kl_penalty
+    from polyrl.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, masked_mean
     from polyrl.algorithms.policy_losses import policy_option
 
     policy_loss_fn = get_policy_loss_fn(cfg.policy_loss.loss_mode)
@@ -46,8 +46,7 @@ def make_actor_loss(cfg: Any, *, on_policy: bool = False):
         metrics = {f"actor/{k}": _float(v) for k, v in pg_metrics.items()}
         metrics["actor/pg_loss"] = _float(pg_loss)
         if on_policy and "rollout_log_probs" in mb.keys():  # the trainer-vs-rollout mismatch, as when recomputed
-            diff = (mb["rollout_log_probs"] - old_log_prob).abs() * mask
-            metrics["rollout/logprob_diff_mean"] = _float(diff.sum() / mask.sum().clamp(min=1))
+            metrics["rollout/logprob_diff_mean"] = _float(masked_mean((mb["rollout_log_probs"] - old_log_prob).abs(), mask))
         if "entropy" in out:
             entropy = agg_loss(out["entropy"], mask, cfg.loss_agg_mode, loss_scale=scale)
             metrics["actor/entropy"] = _float(entropy)

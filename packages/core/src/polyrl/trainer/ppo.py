@@ -24,6 +24,7 @@ import torch
 from tensordict import TensorDict
 
 from polyrl import batch as batch_ops
+from polyrl.algorithms import masked_mean
 from polyrl.config.loader import to_dict, to_yaml
 from polyrl.errors import ConfigError
 from polyrl.manifest import Manifest
@@ -257,10 +258,10 @@ class PPOTrainer:
                 old = groups.actor.dispatch("compute_log_prob", batch_ops.tensor_fields(batch))
             batch["old_log_probs"] = old["log_probs"]
             mask = batch["response_mask"].float()
-            metrics["actor/entropy_rollout"] = float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1))
+            metrics["actor/entropy_rollout"] = float(masked_mean(old["entropy"], mask))
             if "rollout_log_probs" in batch.keys():
-                diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
-                metrics["rollout/logprob_diff_mean"] = float(diff.sum() / mask.sum().clamp(min=1))
+                diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()
+                metrics["rollout/logprob_diff_mean"] = float(masked_mean(diff, mask))
         if self.use_ref:
             with _timer(timing, "ref"):
                 batch["ref_log_prob"] = groups.ref.dispatch("compute_ref_log_prob", batch_ops.tensor_fields(batch))[
@@ -442,8 +443,7 @@ def _batch_metrics(batch: TensorDict) -> dict[str, float]:
     # the policy's log-probs: recomputed old ones, else (on-policy update) the rollout's own
     policy = next((batch[k] for k in ("old_log_probs", "rollout_log_probs") if k in batch.keys()), None)
     if "ref_log_prob" in batch.keys() and policy is not None:
-        kl = ((policy - batch["ref_log_prob"]) * mask).sum() / mask.sum().clamp(min=1)
-        out["actor/kl_ref"] = float(kl)
+        out["actor/kl_ref"] = float(masked_mean(policy - batch["ref_log_prob"], mask))
     return out
 
 
