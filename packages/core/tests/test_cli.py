@@ -118,6 +118,24 @@ def test_no_verb_prints_help_and_every_verb_has_a_handler(capsys):
     assert main([]) == 1
     out = capsys.readouterr().out
     for verb, (handler, help_text, _) in COMMANDS.items():
-        assert verb in out and help_text in out and handler.__name__ == f"cmd_{verb}"
+        assert verb in out and help_text in out and handler.__name__ == f"cmd_{verb.replace('-', '_')}"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["no-such-verb"])
+
+
+def test_overrides_may_follow_options(tmp_path, capsys, monkeypatch):
+    """`polyrl export CKPT --to DIR key=value`: the override after `--to` reaches the verb (argparse alone stops)."""
+    seen = {}
+
+    def fake_export(args):
+        seen.update(vars(args))
+        return 0
+
+    monkeypatch.setitem(COMMANDS, "export", (fake_export, *COMMANDS["export"][1:]))
+    assert main(["export", "CKPT", "--to", str(tmp_path), "actor.fsdp.lora_export=adapter", "a.b=1"]) == 0
+    assert seen["checkpoint"] == "CKPT" and seen["overrides"] == ["actor.fsdp.lora_export=adapter", "a.b=1"]
+    with pytest.raises(SystemExit):
+        main(["export", "CKPT", "--to", str(tmp_path), "--bogus"])
+    with pytest.raises(SystemExit):
+        main(["plugins", "a=1"])  # a verb without overrides
+    assert "unrecognized arguments" in capsys.readouterr().err

@@ -1,11 +1,20 @@
-"""Built-in platforms pass the platform conformance suite."""
+"""Built-in platforms pass the platform conformance suite; selection order; binding workers to devices."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from polyrl.platforms import CPUPlatform, CUDAPlatform, detect_platform
+from polyrl import hookimpl
+from polyrl.errors import ConfigError
+from polyrl.platforms import (
+    CPUPlatform,
+    CUDAPlatform,
+    assign_visible_devices,
+    detect_platform,
+    node_local_ranks,
+    select_platform,
+    setup_worker_device,
+)
 from polyrl.testing import PlatformConformance
 
 
@@ -15,15 +24,17 @@ class TestCPU(PlatformConformance):
         return CPUPlatform()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDAPlatform().is_available(), reason="needs a CUDA GPU (NVIDIA, not ROCm)")
 class TestCUDA(PlatformConformance):
     @pytest.fixture
     def platform(self):
         return CUDAPlatform()
 
 
-def test_detect_prefers_available_highest_priority():
-    expected = "cuda" if torch.cuda.is_available() else "cpu"
+def test_detect_prefers_available_highest_priority(monkeypatch):
+    monkeypatch.delenv("POLYRL_PLATFORM", raising=False)
+    expected = "cuda" if CUDAPlatform().is_available() else "cpu"
     assert detect_platform().name == expected
 
 
@@ -47,3 +58,143 @@ def test_the_suite_fails_a_broken_platform(tmp_path):
     for check in (suite.test_names, suite.test_worker_placement_attributes, suite.test_memory_and_cache):
         with pytest.raises(AssertionError):
             check(Broken())
+
+
+def test_the_suite_fails_a_platform_that_does_not_restore_its_rng(tmp_path):
+    class Forgetful(CPUPlatform):
+        def set_rng_state(self, state):
+            pass  # the state is silently dropped: a resumed run would draw other numbers
+
+    with pytest.raises(AssertionError):
+        PlatformConformance().test_rng_state_restores_the_device_stream(Forgetful(), tmp_path)
+
+
+# ---------------------------------------------------------------------- selection order
+
+
+class _Fake(CPUPlatform):
+    available = True
+    why = ""
+
+    def is_available(self):
+        return self.available
+
+    def unavailable_reason(self):
+        return self.why
+
+
+class _High(_Fake):
+    name = "high"
+    available = False
+    why = "no high device here"
+
+
+class _Mid(_Fake):
+    name = "mid"
+
+
+class _FakePlatforms:
+    @hookimpl
+    def register_platforms(self, register):
+        register("high", _High, priority=50)
+        register("mid", _Mid, priority=5)
+
+
+@pytest.fixture
+def fakes(polyrl_plugins):
+    polyrl_plugins.register(_FakePlatforms(), "fake-platforms")
+    return polyrl_plugins.pm
+
+
+def test_config_device_beats_the_environment_variable(fakes):
+    choice = select_platform("cpu", fakes, environ={"POLYRL_PLATFORM": "mid"})
+    assert choice.name == "cpu" and choice.reason == "trainer.device=cpu"
+
+
+def test_environment_variable_beats_probing(fakes):
+    choice = select_platform("auto", fakes, environ={"POLYRL_PLATFORM": "cpu"})
+    assert choice.name == "cpu" and choice.reason == "POLYRL_PLATFORM=cpu"
+
+
+def test_probing_takes_the_highest_priority_available_and_records_every_probe(fakes):
+    choice = select_platform("auto", fakes, environ={})
+    assert choice.name == "mid", choice  # 'high' (priority 50) probes unavailable
+    assert "highest priority (5)" in choice.reason
+    assert choice.probes["high"] == "not available: no high device here"
+    assert choice.probes["mid"] == "available" and choice.probes["cpu"] == "available"
+
+
+def test_cpu_is_the_fallback(fakes, monkeypatch):
+    monkeypatch.setattr(_Mid, "available", False)
+    monkeypatch.setattr(CPUPlatform, "is_available", lambda self: False)
+    choice = select_platform("auto", fakes, environ={})
+    assert choice.platform.name == "cpu" and choice.reason.startswith("fallback")
+
+
+def test_a_named_platform_that_is_absent_stops_with_its_reason(fakes):
+    with pytest.raises(ConfigError, match=r"platform 'high' \(POLYRL_PLATFORM=high\) is not available .*no high device"):
+        select_platform("auto", fakes, environ={"POLYRL_PLATFORM": "high"})
+    with pytest.raises(ConfigError, match=r"platform 'high' \(trainer.device=high\)"):
+        select_platform("high", fakes, environ={})
+
+
+def test_unknown_platform_names_the_plugin_to_install(fakes):
+    if "npu" in fakes.registry("platform").names():
+        pytest.skip("polyrl-hw-ascend is loaded here")
+    with pytest.raises(Exception, match="polyrl-hw-ascend") as info:
+        select_platform("npu", fakes, environ={})
+    assert "cpu" in str(info.value) and "mid" in str(info.value)
+
+
+def test_choice_is_logged_and_written_to_the_run_directory(fakes, tmp_path, caplog):
+    import json
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="polyrl.platforms"):
+        choice = select_platform("auto", fakes, environ={})
+    assert "platform mid (detected" in caplog.text
+    written = json.loads(choice.write(tmp_path).read_text())
+    assert written["name"] == "mid" and written["dist_backend"] == "gloo" and written["weight_ipc"] == "shared_memory"
+    assert written["probes"]["high"].startswith("not available")
+
+
+# ---------------------------------------------------------------------- placement
+
+
+def test_node_local_ranks():
+    assert node_local_ranks(["a", "a", "b", "a", "b"]) == [0, 1, 0, 2, 1]
+    assert node_local_ranks(["n"] * 3) == [0, 1, 2]  # one node: the rank
+
+
+class _NPULike(CPUPlatform):
+    visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
+    ray_resource = "NPU"
+
+
+@pytest.mark.parametrize("env,assigned,local_rank,index,after", [
+    ({}, [], 3, 3, None),  # no Ray assignment (local executor): the node-local rank
+    ({}, ["5"], 1, 0, "5"),  # Ray assigned device 5 and set nothing: we set it
+    ({"ASCEND_RT_VISIBLE_DEVICES": "5"}, ["5"], 1, 0, "5"),  # Ray narrowed visibility already
+    ({"ASCEND_RT_VISIBLE_DEVICES": "0,1,2,3"}, ["2"], 1, 2, "0,1,2,3"),  # NOSET: the whole node is visible
+])
+def test_assign_visible_devices(env, assigned, local_rank, index, after):
+    assert assign_visible_devices(_NPULike(), local_rank=local_rank, assigned=assigned, environ=env) == index
+    assert env.get("ASCEND_RT_VISIBLE_DEVICES") == after
+
+
+def test_assign_visible_devices_refuses_a_conflicting_variable():
+    env = {"ASCEND_RT_VISIBLE_DEVICES": "0,1"}
+    with pytest.raises(RuntimeError, match="ASCEND_RT_VISIBLE_DEVICES=0,1 does not include device 6"):
+        assign_visible_devices(_NPULike(), local_rank=0, assigned=["6"], environ=env)
+
+
+def test_cpu_ignores_device_assignment():
+    assert assign_visible_devices(CPUPlatform(), local_rank=2, assigned=["1"], environ={}) == 2
+
+
+def test_setup_worker_device_names_the_platform_and_sets_local_rank(fakes):
+    env: dict[str, str] = {}
+    platform, index = setup_worker_device("mid", fakes, local_rank=1, environ=env)
+    assert platform.name == "mid" and index == 1 and env["LOCAL_RANK"] == "1"
+    with pytest.raises(RuntimeError, match="platform 'high' is not available in this process: no high device"):
+        setup_worker_device("high", fakes, local_rank=0, environ={})

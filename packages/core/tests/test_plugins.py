@@ -113,7 +113,7 @@ GOOD_HOOKS = (
     "from polyrl import hookimpl\n"
     "@hookimpl\n"
     "def register_tools(register):\n"
-    "    register('calculator', 'json:loads', aliases='calc', description='a calculator')\n"
+    "    register('abacus', 'json:loads', aliases='calc', description='a calculator')\n"
 )
 
 
@@ -132,8 +132,8 @@ def test_entry_point_of_an_installed_distribution_loads(site):
     assert pm.plugins["fake-tools"] == PluginInfo("fake-tools", "polyrl-fake-tools", "1.2.3", "fake_tools_hooks")
     assert pm.get("tool", "calc") is __import__("json").loads
     [desc] = [p for p in pm.describe() if p["name"] == "fake-tools"]
-    assert desc["hooks"] == ["register_tools"] and desc["registered"] == {"tool": ["calculator"]}
-    assert desc["entries"]["tool"][0] == {"name": "calculator", "target": "json:loads", "aliases": ["calc"],
+    assert desc["hooks"] == ["register_tools"] and desc["registered"] == {"tool": ["abacus"]}
+    assert desc["entries"]["tool"][0] == {"name": "abacus", "target": "json:loads", "aliases": ["calc"],
                                           "description": "a calculator"}
 
 
@@ -218,11 +218,11 @@ def test_harness_is_the_process_wide_manager_and_remove(polyrl_plugins):
     mod = types.ModuleType("harness_hooks")
     exec(GOOD_HOOKS, mod.__dict__)
     info = polyrl_plugins.register(mod)
-    assert info.name == "harness_hooks" and polyrl_plugins.names("tool") == ["calculator"]
-    assert lookup("tool", "calculator") is __import__("json").loads
+    assert info.name == "harness_hooks" and polyrl_plugins.names("tool") == ["abacus", "calculator", "python"]
+    assert lookup("tool", "abacus") is __import__("json").loads
     polyrl_plugins.remove("harness_hooks")
-    with pytest.raises(RegistryError, match="unknown tool 'calculator'"):
-        lookup("tool", "calculator")
+    with pytest.raises(RegistryError, match="unknown tool 'abacus'"):
+        lookup("tool", "abacus")
     with pytest.raises(KeyError, match="no plugin 'harness_hooks'"):
         polyrl_plugins.remove("harness_hooks")
 

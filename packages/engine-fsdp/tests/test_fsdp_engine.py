@@ -205,10 +205,58 @@ def test_lora_merge_reproduces_the_merged_model(model_dir, tmp_path):
     assert len(adapter) == 2 * 2 * 2  # 2 layers x (q_proj, v_proj) x (A, B)
     lora.export_hf(str(tmp_path / "adapter"))
     assert not (tmp_path / "adapter" / "model.safetensors").exists()
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    assert (tmp_path / "adapter" / "tokenizer_config.json").exists()
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), tmp_path / "adapter")
     assert torch.allclose(_hf_log_probs(peft_model, b, 0), ref, atol=1e-4)
     by_peft = peft_model.merge_and_unload().state_dict()
     assert all(torch.allclose(by_peft[n], t, atol=1e-6) for n, t in merged.items())
+
+
+def test_export_is_what_save_pretrained_writes(model_dir, tmp_path):
+    """Sharded safetensors with an index, generation config and tokenizer; the folder gives the engine's log-probs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    engine = make_engine(str(model_dir))
+    b = batch(seed=3)
+    engine.train_batch(b, loss_fn)
+    engine.fsdp.export_max_shard_size = "20KB"
+    engine.export_hf(str(tmp_path / "sharded"))
+    out = tmp_path / "sharded"
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and (out / "model.safetensors.index.json").exists()
+    assert not (out / "model.safetensors").exists()
+    source_gen = GenerationConfig.from_pretrained(model_dir)
+    assert GenerationConfig.from_pretrained(out).eos_token_id == source_gen.eos_token_id is not None
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == AutoTokenizer.from_pretrained(model_dir).get_vocab()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    mine = engine.infer_batch(b)["log_probs"]
+    for row in range(2):
+        n = int(b["response_mask"][row].sum())
+        assert torch.allclose(mine[row, :n], _hf_log_probs(model, b, row), atol=1e-5)
+    # the default limit keeps a small model in one file, as save_pretrained does
+    engine.fsdp.export_max_shard_size = "5GB"
+    engine.export_hf(str(tmp_path / "single"))
+    assert (tmp_path / "single" / "model.safetensors").exists()
+    assert not (tmp_path / "single" / "model.safetensors.index.json").exists()
+    single = AutoModelForCausalLM.from_pretrained(tmp_path / "single").state_dict()
+    assert all(torch.equal(single[k], v) for k, v in model.state_dict().items())
+
+
+def test_export_of_tied_embeddings(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.models.tiny import make_tiny_model
+
+    tied_dir = make_tiny_model(tmp_path / "tied", seed=1, tie_word_embeddings=True)
+    engine = make_engine(str(tied_dir))
+    engine.train_batch(batch(seed=4), loss_fn)
+    engine.export_hf(str(tmp_path / "out"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    b = batch(seed=4)
+    n = int(b["response_mask"][0].sum())
+    assert torch.allclose(engine.infer_batch(b)["log_probs"][0, :n], _hf_log_probs(model, b, 0), atol=1e-5)
 
 
 def _vloss(out, mb, scale):
@@ -320,7 +368,8 @@ def test_warmup_and_cosine_schedule(model_dir):
     from polyrl.config.roles import OptimConfig
 
     engine = make_engine(str(model_dir))
-    engine.config.optim = OptimConfig(lr=1e-3, warmup_steps=2, lr_scheduler="cosine", total_steps=6, min_lr_ratio=0.1)
+    engine.config.optim = OptimConfig(lr=1e-3, lr_warmup_steps=2, lr_scheduler_type="cosine", total_steps=6,
+                                      min_lr_ratio=0.1)
     engine._build_optimizer()
     b = batch(seed=7)
     lrs = [engine.train_batch(b, loss_fn)["actor/lr"] for _ in range(6)]
@@ -333,8 +382,11 @@ def test_bad_inputs(model_dir, tmp_path):
     from polyrl.config.roles import EngineRoleConfig, LoRAConfig, ModelConfig
     from polyrl_engine_fsdp.engine import FSDPEngine
 
-    with pytest.raises(ConfigError, match="config.json is missing"):
+    with pytest.raises(ConfigError, match=r"actor\.model\.path=.*nope: no such folder"):
         FSDPEngine(EngineRoleConfig(model=ModelConfig(path=str(tmp_path / "nope"))), role="actor")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"critic\.model\.path=.*config\.json is missing"):
+        FSDPEngine(EngineRoleConfig(model=ModelConfig(path=str(tmp_path / "empty"))), role="critic", model_type="value")
     import json
     import shutil
 
@@ -424,3 +476,48 @@ def test_bad_fsdp_size_names_the_key(model_dir, size):
 
     with pytest.raises(ConfigError, match=rf"actor.fsdp.fsdp_size={size} must be -1 or divide"):
         make_engine(str(model_dir), plugin_config=FSDPConfig(fsdp_size=size))
+
+
+class _Payload:
+    """Unpickling this runs ``open(marker, 'w')``: what a planted checkpoint would do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("planted", ["extra", "metadata"])
+def test_malicious_checkpoint_is_refused_and_runs_nothing(model_dir, tmp_path, planted):
+    import pickle
+
+    engine = make_engine(str(model_dir))
+    ck = tmp_path / "ck"
+    engine.save_checkpoint(str(ck))
+    marker = tmp_path / "pwned"
+    if planted == "extra":
+        torch.save({"rng": _Payload(str(marker)), "scheduler": None}, ck / "extra_rank0.pt")
+    else:
+        (ck / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    with pytest.raises(CheckpointError, match="not loaded|refused"):
+        engine.load_checkpoint(str(ck))
+    assert not marker.exists(), "loading the checkpoint ran code stored in it"
+
+
+def test_resume_restores_rng_and_applies_the_configs_lr(model_dir, tmp_path):
+    import random
+
+    engine = make_engine(str(model_dir))
+    engine.train_batch(batch(), loss_fn)
+    torch.manual_seed(123)
+    random.seed(7)
+    engine.save_checkpoint(str(tmp_path / "ck"))
+    expected = (torch.rand(3), random.random())
+    lr = engine.optimizer.param_groups[0]["lr"]
+    other = make_engine(str(model_dir))
+    other.config.optim.lr = engine.config.optim.lr * 10
+    other.load_checkpoint(str(tmp_path / "ck"))
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+    assert other.optimizer.param_groups[0]["lr"] == pytest.approx(lr * 10)
+    assert other.scheduler.get_last_lr()[0] == pytest.approx(lr * 10)

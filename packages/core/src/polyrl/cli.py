@@ -1,4 +1,4 @@
-"""The ``polyrl`` command line: ``train``, ``sft``, ``export``, ``plot``, ``plugins``.
+"""The ``polyrl`` command line: ``train``, ``sft``, ``export``, ``plot``, ``plugins``, ``new-plugin``.
 
 Errors that a user can fix (:class:`polyrl.errors.PolyrlError`) print as one
 message on stderr with exit code 2; ``--traceback`` or ``POLYRL_DEBUG=1`` shows
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import traceback
@@ -86,8 +87,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Write a checkpoint's actor as an HF folder."""
     from polyrl.trainer.commands import export
 
-    out = export(args.checkpoint, args.to, args.manifest)
-    print(f"exported {args.checkpoint} to {out}")
+    out = export(args.checkpoint, args.to, args.manifest, args.overrides)
+    logging.getLogger("polyrl.cli").info("exported %s to %s", args.checkpoint, out)
     return 0
 
 
@@ -99,6 +100,18 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_new_plugin(args: argparse.Namespace) -> int:
+    """Write a new plugin package (pyproject, hooks, component, tests) that passes its tests as generated."""
+    from polyrl.plugin_template import create_plugin
+
+    root = create_plugin(args.name, args.kind, args.dest, description=args.description)
+    sys.stdout.write(f"{root}\n")
+    sys.stderr.write(f"created {root}: a {args.kind} plugin. Next:\n  cd {root}\n  pip install -e '.[test]'\n"
+                     "  pytest              # polyrl's conformance suite for it, as generated\n"
+                     "  polyrl plugins      # it is listed once installed\n")
+    return 0
+
+
 #: verb -> (handler, help, argument adder)
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str, Callable[[argparse.ArgumentParser], None]]] = {
     "train": (cmd_train, "RL post-training (PPO, GRPO and family)", _run_args),
@@ -106,9 +119,17 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str, Callable[[ar
     "export": (cmd_export, "write a checkpoint as an HF folder", lambda p: (
         p.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N"),
         p.add_argument("--to", required=True, help="output folder"),
-        p.add_argument("--manifest", "-m", help="manifest (default: the run's manifest.lock.toml)"))),
+        p.add_argument("--manifest", "-m", help="manifest (default: the run's manifest.lock.toml)"),
+        p.add_argument("overrides", nargs="*", help="key=value changes to the run's config for the export, e.g. "
+                       "actor.fsdp.lora_export=adapter actor.fsdp.export_max_shard_size=2GB"))),
     "plot": (cmd_plot, "PNG curves of a run", lambda p: (
         p.add_argument("run_dir"), p.add_argument("--out", help="PNG path (default RUN_DIR/curves.png)"))),
+    "new-plugin": (cmd_new_plugin, "create a plugin package from a template", lambda p: (
+        p.add_argument("name", help="the plugin's name, e.g. my-reward (the distribution becomes polyrl-my-reward)"),
+        p.add_argument("--kind", "-k", required=True, choices=["engine", "rollout", "reward", "estimator", "platform",
+                                                              "tool"], help="what the plugin adds"),
+        p.add_argument("--dest", "-d", default=".", help="folder to create the package in (default: here)"),
+        p.add_argument("--description", help="one line for the package metadata and README"))),
     "plugins": (cmd_plugins, "list plugins, their hooks and registered names", lambda p: (
         p.add_argument("--manifest", "-m", help="show what this manifest loads (default: every installed plugin)"),
         p.add_argument("--json", action="store_true", help="machine-readable output (PluginManager.describe())"),
@@ -135,20 +156,76 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``polyrl`` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # key=value overrides after an option (`polyrl export CKPT --to DIR key=value`): argparse leaves them
+        if not isinstance(getattr(args, "overrides", None), list) or any(
+                e.startswith("-") or "=" not in e for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides += extra
     if not getattr(args, "handler", None):
         parser.print_help()
         return 1
+    from polyrl.logs import setup_console_logging
+
+    setup_console_logging()  # polyrl's log records on stderr, above a live progress bar
     try:
         return args.handler(args)
     except BrokenPipeError:  # `polyrl plugins | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except PolyrlError as exc:
-        if args.traceback or os.environ.get("POLYRL_DEBUG") == "1":
+    except Exception as exc:
+        verbose = args.traceback or os.environ.get("POLYRL_DEBUG") == "1"
+        remote = worker_error(exc)
+        if remote is not None:  # raised in a Ray worker: one line with its rank, the traceback to the log
+            where, text, user_error, remote_tb = remote
+            logging.getLogger("polyrl").debug("error in %s:\n%s", where, remote_tb)  # RUN_DIR/train.log
+            if verbose:
+                print(remote_tb, file=sys.stderr)
+            print(f"polyrl {args.command}: error in {where}: {text}", file=sys.stderr)
+            return 2 if user_error else 1
+        if not isinstance(exc, PolyrlError):
+            raise
+        if verbose:
             traceback.print_exc()
         print(f"polyrl {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def worker_error(exc: BaseException) -> tuple[str, str, bool, str] | None:
+    """``(where, one-line message, is a PolyrlError, remote traceback)`` when ``exc`` is (or wraps) an error
+    raised inside a Ray worker, method or constructor; ``where`` names the worker's rank. None otherwise."""
+    import re
+
+    from polyrl import errors
+
+    rex = sys.modules.get("ray.exceptions")
+    if rex is None:
+        return None
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (rex.RayTaskError, rex.RayActorError)):
+            text = str(exc)
+            rank = re.search(r"Worker\(rank=(\d+)", text)
+            where = f"worker rank {rank.group(1)}" if rank else "a worker"
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, BaseException) and not isinstance(cause, rex.RayError):
+                first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+                user = isinstance(cause, PolyrlError)
+                return where, first if user else f"{type(cause).__name__}: {first}", user, text
+            # an actor that died in its constructor: the original error is the traceback's last "Name: message"
+            last = None
+            for line in text.splitlines():
+                match = re.match(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.*)$", line.strip())
+                if match:
+                    last = match
+            if last is None:
+                return where, text.strip().splitlines()[0] if text.strip() else type(exc).__name__, False, text
+            cls = getattr(errors, last.group(1), None)
+            user = isinstance(cls, type) and issubclass(cls, PolyrlError)
+            return where, last.group(2) if user else f"{last.group(1)}: {last.group(2)}", user, text
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 if __name__ == "__main__":

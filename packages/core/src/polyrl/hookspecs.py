@@ -77,6 +77,15 @@ def register_tools(register: RegisterFn) -> None:
 
 
 @hookspec
+def register_tool_parsers(register: RegisterFn) -> None:
+    """Register tool-call parsers (kind ``tool_parser``); ``agent.tool_parser`` selects one.
+
+    ``obj`` is a zero-argument factory returning an object with ``parse(text) -> ParsedTurn``
+    (:class:`polyrl.tools.parsers.ToolCallParser`); malformed calls go to ``ParsedTurn.errors``, never raise.
+    """
+
+
+@hookspec
 def register_advantage_estimators(register: RegisterFn) -> None:
     """Register advantage estimators (kind ``advantage_estimator``), verl's signature
     ``fn(token_level_rewards, response_mask, index=None, config=None, **kw) -> (advantages, returns)``.

@@ -1,10 +1,18 @@
-"""``polyrl plot RUN_DIR``: PNG curves of a run's reward, accuracy, response length and KL."""
+"""``polyrl plot RUN_DIR``: PNG curves of a run's reward, accuracy, response length and KL.
+
+Drawing needs matplotlib, which is an extra: ``pip install 'polyrl[plot]'``.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
+from polyrl.errors import DataError, PolyrlError
 from polyrl.tracking import read_metrics
+
+#: What to run when matplotlib is missing.
+PLOT_INSTALL = "pip install 'polyrl[plot]'"
 
 #: Panels: title and the metric keys drawn in it (a key ending in '*' matches a prefix/suffix pattern).
 PANELS = [
@@ -24,19 +32,31 @@ def _match(pattern: str, keys: list[str]) -> list[str]:
     return sorted(k for k in keys if k.startswith(head) and k.endswith(tail))
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw the run's curves into one PNG (default ``RUN_DIR/curves.png``) and return its path."""
-    import matplotlib
-
+def _pyplot() -> ModuleType:
+    """matplotlib's pyplot on the file-only Agg backend, or a PolyrlError with the install line."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise PolyrlError(f"drawing curves needs matplotlib, which is not installed: {PLOT_INSTALL}") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw the run's curves into one PNG (default ``RUN_DIR/curves.png``) and return its path.
+
+    Raises :class:`~polyrl.errors.PolyrlError` naming ``polyrl[plot]`` when matplotlib is not installed
+    and :class:`~polyrl.errors.DataError` when the run logged none of the plotted metrics.
+    """
+    plt = _pyplot()
     rows = read_metrics(run_dir)
     keys = sorted({k for r in rows for k in r})
     panels = [(t, [k for p in pats for k in _match(p, keys)]) for t, pats in PANELS]
     panels = [(t, ks) for t, ks in panels if ks]
     if not panels:
-        raise ValueError(f"{run_dir}/metrics.jsonl holds none of the plotted metrics")
+        raise DataError(f"{run_dir}/metrics.jsonl holds none of the plotted metrics")
     cols = 2
     nrows = (len(panels) + 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(11, 3.2 * nrows), squeeze=False)

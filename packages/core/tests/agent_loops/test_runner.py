@@ -20,6 +20,7 @@ class CountingRollout:
 
     def generate(self, requests):
         self.calls.append(len(requests))
+        self.budgets = [r.sampling_params.max_new_tokens for r in requests]
         return self.inner.generate(requests)
 
 
@@ -82,3 +83,24 @@ def test_batching_client_propagates_errors(tiny_tokenizer):
 
 def test_result_type_is_protocols():
     assert GenerationResult([1], [2], [0.0]).finish_reason == "stop"
+
+
+def test_batching_client_shares_budgets_and_cuts_back(rollout):
+    """Multi-turn loops ask with different budgets left: one generate call, each result within its budget."""
+    import asyncio
+
+    from polyrl.protocols import GenerationRequest
+
+    counting = CountingRollout(rollout)
+    counting.max_model_len = rollout.max_model_len
+    client = BatchingClient(counting, 64)
+    budgets = [2, 5, 9]
+
+    async def main():
+        return await asyncio.gather(*[client.agenerate(GenerationRequest(
+            [5, 6, b], SamplingParams(max_new_tokens=b, ignore_eos=True, seed=0))) for b in budgets])
+
+    results = asyncio.run(main())
+    assert counting.calls == [3] and counting.budgets == [9, 9, 9]  # one batch for the rollout
+    for b, (r,) in zip(budgets, results):
+        assert len(r.response_ids) == len(r.log_probs) == b and r.finish_reason == "length"

@@ -129,13 +129,17 @@ def test_gae_matches_a_per_sample_reference_and_skips_masked_tokens_inside_a_res
     mask[1, 4:] = 0  # a short response
     mask[2, 2] = 0  # a tool-output token inside the response
     gamma, lam = 0.9, 0.8
-    adv, ret = get_adv_estimator_fn("gae")(rewards * mask, mask, values=values, config={"gamma": gamma, "lam": lam})
+    adv, ret = get_adv_estimator_fn("gae")(rewards * mask, response_mask=mask, values=values,
+                                           config={"gamma": gamma, "lam": lam})
+    # verl's positional order (token_level_rewards, values, response_mask, gamma, lam) gives the same
+    adv2, ret2 = get_adv_estimator_fn("gae")(rewards * mask, values, mask, gamma, lam)
+    assert torch.equal(adv, adv2) and torch.equal(ret, ret2)
     raw = gae_reference(rewards * mask, values, mask, gamma, lam)
     assert torch.allclose(ret, (raw + values) * mask, atol=1e-5)
     valid = raw[mask.bool()]
     assert torch.allclose(adv, (raw - valid.mean()) / torch.sqrt(valid.var() + 1e-8) * mask, atol=1e-5)
     with pytest.raises(ValueError, match="values"):
-        get_adv_estimator_fn("gae")(rewards, mask)
+        get_adv_estimator_fn("gae")(rewards, response_mask=mask)
 
 
 def test_compute_advantage_shortcut():
@@ -269,7 +273,7 @@ def test_non_finite_values_raise_for_gae():
     values = torch.zeros(2, 3)
     values[1, 1] = float("nan")
     with pytest.raises(ValueError, match="values holds"):
-        get_adv_estimator_fn("gae")(torch.zeros(2, 3), torch.ones(2, 3), values=values)
+        get_adv_estimator_fn("gae")(torch.zeros(2, 3), values, torch.ones(2, 3))
 
 
 def test_shape_mismatch_names_arguments():
@@ -281,7 +285,7 @@ def test_shape_mismatch_names_arguments():
 def test_all_zero_mask_raises(name):
     kwargs = {"values": torch.zeros(2, 3), "reward_baselines": torch.zeros(2)}
     with pytest.raises(ValueError, match="response_mask is all zero"):
-        get_adv_estimator_fn(name)(torch.zeros(2, 3), torch.zeros(2, 3), index=[0, 0], **kwargs)
+        get_adv_estimator_fn(name)(torch.zeros(2, 3), response_mask=torch.zeros(2, 3), index=[0, 0], **kwargs)
 
 
 def test_index_errors():

@@ -11,11 +11,17 @@ from polyrl.testing import AdvantageEstimatorConformance, PolicyLossConformance
 EXTRA_KWARGS = {
     "gae": {"values": lambda b, r: torch.randn(b, r), "gamma": 0.9, "lam": 0.95},
     "remax": {"reward_baselines": lambda b, r: torch.rand(b)},
+    "optimal_token_baseline": {"old_log_probs": lambda b, r: -torch.rand(b, r),
+                               "sum_pi_squared": lambda b, r: torch.rand(b, r) * 0.5},
+    "tir_optimal_token_baseline": {"old_log_probs": lambda b, r: -torch.rand(b, r),
+                                   "sum_pi_squared": lambda b, r: torch.rand(b, r) * 0.5,
+                                   "rollout_is_weights": lambda b, r: torch.rand(b, r) + 0.5},
 }
 
 
 @pytest.fixture(params=["gae", "grpo", "grpo_passk", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                        "remax", "opo", "gpg"])
+                        "remax", "opo", "gpg", "grpo_vectorized", "rloo_vectorized", "gdpo", "optimal_token_baseline",
+                        "tir_optimal_token_baseline"])
 def estimator_name(request):
     return request.param
 
@@ -101,3 +107,40 @@ class TestGeoMean(PolicyLossConformance):
     @pytest.fixture
     def policy_loss(self):
         return get_policy_loss_fn("geo_mean")
+
+
+class TestDRO(PolicyLossConformance):
+    config = {"policy_loss": {"dro_beta": 0.5}}
+
+    @pytest.fixture
+    def policy_loss(self):
+        return get_policy_loss_fn("dro")
+
+
+class TestDPPOTV(PolicyLossConformance):
+    config = {"clip_ratio": 0.1, "clip_ratio_c": 20.0}
+
+    @pytest.fixture
+    def policy_loss(self):
+        return get_policy_loss_fn("dppo_tv")
+
+
+class TestDPPOKL(TestDPPOTV):
+    @pytest.fixture
+    def policy_loss(self):
+        return get_policy_loss_fn("dppo_kl")
+
+
+class TestBypassMode(PolicyLossConformance):
+    config = {"clip_ratio": 0.2, "policy_loss": {"rollout_correction": {"rollout_is": "token",
+                                                                        "rollout_is_threshold": 2.0}}}
+
+    @pytest.fixture
+    def policy_loss(self):
+        return get_policy_loss_fn("bypass_mode")
+
+
+class TestBypassModeReinforce(TestBypassMode):
+    config = {"policy_loss": {"rollout_correction": {"loss_type": "reinforce", "rollout_is": "sequence",
+                                                     "rollout_is_threshold": 2.0}}}
+    on_policy_agg_mode = None  # sequence weights are not 1 at ratio 1 of this call's old/new

@@ -107,3 +107,46 @@ def test_configuration_reference_is_current():
 
     page = Path(__file__).resolve().parents[4] / "docs" / "configuration.md"
     assert page.read_text() == render(), "docs/configuration.md is stale: python -m polyrl.config.reference > docs/configuration.md"
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("data.train_batch_size=-4", "data.train_batch_size"),
+    ("actor.ppo_mini_batch_size=0", "actor.ppo_mini_batch_size"),
+    ("rollout.n=0", "rollout.n"),
+    ("trainer.total_steps=-1", "trainer.total_steps"),
+    ("reward.timeout_s=-1", "reward.timeout_s"),
+])
+def test_out_of_range_values_name_the_key_and_source(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(PolyrlConfig, [], ["model.path=m", override])
+    msg = str(err.value)
+    assert f"'{key}'" in msg and override in msg and "\n" not in msg
+
+
+def test_run_that_trains_nothing_is_refused(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model:\n  path: m\ntrainer:\n  total_epochs: 0\n")
+    with pytest.raises(ConfigError, match=rf"total_epochs.*{cfg} line 4.*train nothing"):
+        load_config(PolyrlConfig, [cfg])
+
+
+def test_scalar_where_a_list_is_expected(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model:\n  path: m\ndata:\n  train_files: train.jsonl\n")
+    with pytest.raises(ConfigError, match=rf"'data.train_files' \(from {cfg} line 4\): expects a list"):
+        load_config(PolyrlConfig, [cfg])
+
+
+def test_did_you_mean_hides_internal_keys():
+    with pytest.raises(ConfigError) as err:
+        load_config(PolyrlConfig, [], ["model.path=m", "ref.plugin_confi=1"])
+    assert "plugin_config" not in str(err.value)
+
+
+def test_reference_descriptions_sit_on_their_own_keys():
+    from polyrl.config.reference import render
+
+    rows = {line.split("|")[1].strip().strip("`"): line for line in render().splitlines() if line.startswith("| `")}
+    assert "Checkpoint every N steps" in rows["trainer.save_freq"]
+    assert "pass@k" in rows["trainer.test_freq"] and "pass@k" not in rows["trainer.save_freq"]
+    assert "Key of the response text" in rows["response_key"]

@@ -65,3 +65,20 @@ def test_loader_resumes_at_the_same_position(tmp_path, tiny_tokenizer):
     assert len({r["uid"] for b in seen for r in b}) == 12
     # a new epoch has a new order
     assert [r["prompt"] for r in next(iter(loader))] != [r["prompt"] for r in seen[0]]
+
+
+def test_non_utf8_byte_names_file_and_line(tmp_path):
+    from polyrl.data import load_rows
+    from polyrl.errors import DataError
+
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl line 2: byte 0xe9 is not UTF-8"):
+        load_rows(bad)
+
+
+def test_corrupt_parquet_names_the_file(tmp_path):
+    bad = tmp_path / "broken.parquet"
+    bad.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(DataError, match=r"data file .*broken.parquet cannot be read"):
+        load_rows(bad)

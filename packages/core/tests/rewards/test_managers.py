@@ -87,3 +87,62 @@ def test_multi_turn_score_goes_on_the_last_response_token_not_the_last_model_tok
     scores = manager(batch).token_level_scores
     assert seen == ["4 tool:9 5"]  # tool tokens are decoded too
     assert scores[0, len(ids) - 1] == 2.0 and scores.sum() == 2.0
+
+
+def test_non_number_results_are_counted_failures_with_one_warning_naming_the_function(tiny_tokenizer, caplog):
+    results = {"1": None, "2": "1.0", "3": {"acc": 1.0}, "4": math.inf, "5": 2.0, "6": {"score": 0.5}}
+
+    def odd_reward(data_source, solution_str, ground_truth, extra_info=None):
+        return results[solution_str]
+
+    batch = make_batch(tiny_tokenizer, list(results), ["0"] * len(results))
+    manager = NaiveRewardManager(tokenizer=tiny_tokenizer, compute_score=odd_reward,
+                                 config=RewardConfig(fallback_score=-1.0))
+    with caplog.at_level(logging.WARNING, logger="polyrl.rewards"):
+        out = manager(batch)
+    assert out.token_level_scores.sum(-1).tolist() == [-1.0, -1.0, -1.0, -1.0, 2.0, 0.5]
+    assert out.metrics["reward/failures"] == 4 and out.metrics["reward/all_failed"] == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "odd_reward" in warnings[0], warnings
+
+
+def test_all_failed_batch_is_loud(tiny_tokenizer, caplog):
+    batch = make_batch(tiny_tokenizer, ["1", "2"], ["0", "0"])
+    manager = NaiveRewardManager(tokenizer=tiny_tokenizer, compute_score=lambda *a: None)
+    with caplog.at_level(logging.WARNING, logger="polyrl.rewards"):
+        out = manager(batch)
+    assert out.metrics["reward/all_failed"] == 1 and out.metrics["reward/failures"] == 2
+    assert any(r.levelno == logging.ERROR and "every sample" in r.getMessage() for r in caplog.records)
+
+
+def test_slow_rewards_time_out_and_run_in_parallel(tiny_tokenizer, caplog):
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def slow_reward(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "9":
+            release.wait(30)  # hangs past the timeout
+            return 1.0
+        time.sleep(0.3)
+        return 1.0
+
+    batch = make_batch(tiny_tokenizer, ["1", "2", "3", "9"], ["0"] * 4)
+    manager = NaiveRewardManager(tokenizer=tiny_tokenizer, compute_score=slow_reward,
+                                 config=RewardConfig(timeout_s=1.0, num_workers=4, fallback_score=-2.0))
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="polyrl.rewards"):
+        out = manager(batch)
+    took = time.monotonic() - start
+    release.set()
+    assert out.token_level_scores.sum(-1).tolist() == [1.0, 1.0, 1.0, -2.0]
+    assert out.metrics["reward/failures"] == 1
+    assert took < 2.5, f"the step waited {took:.1f}s for a hung reward"  # 3 x 0.3 s in parallel + 1 s timeout
+    assert any("timed out" in r.getMessage() and "slow_reward" in r.getMessage() for r in caplog.records)
+
+
+def test_batch_manager_wrong_length_is_a_failure(tiny_tokenizer):
+    manager = BatchRewardManager(tokenizer=tiny_tokenizer, compute_score=lambda *a: "oops")
+    out = manager(make_batch(tiny_tokenizer, ["4", "5"], ["4", "4"]))
+    assert out.metrics["reward/failures"] == 2 and out.token_level_scores.sum().item() == 0.0

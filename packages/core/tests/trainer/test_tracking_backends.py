@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import struct
 import subprocess
 import sys
 import time
@@ -126,89 +125,104 @@ def test_tensorboard_resume_replaces_steps_after_the_checkpoint(tmp_path):
 
 
 # --- W&B (offline) ----------------------------------------------------------------------------------------
+# Checked through W&B's public API only: the ``wandb.Run`` the tracker opens (its id, project, name, config,
+# ``offline``, ``dir``) and the public calls made on it (``Run.log``, ``Run.finish``). The records inside the
+# ``.wandb`` file are W&B's private format (they changed in wandb 0.31), so they are not parsed here.
+
+#: Spies on ``wandb.init`` / ``Run.log`` / ``Run.finish``; the pty test runs it in a child process too.
+_WANDB_SPY = '''
+import wandb
+
+RUNS = []
 
 
-def _wandb_records(path: Path):
-    """The protobuf records of a ``.wandb`` file (W&B's LevelDB-style log: 32 KiB blocks of chunks)."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B", f"{path} is not a W&B datastore"
-    pos, block, buf = 7, 32 * 1024, b""
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:  # block trailer
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0:  # zero padding
-            pos += left
-            continue
-        buf += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(buf)
-            buf = b""
-            yield record
+def _entry(run):
+    for entry in RUNS:
+        if entry["run"] is run:
+            return entry
+    raise AssertionError("Run.log/finish on a run that wandb.init did not return")
 
 
-def _wandb_run(run_dir: Path, index: int = 0) -> dict:
-    """The run, config, per-step history and exit code of the ``index``-th offline run under run_dir."""
-    dirs = sorted((run_dir / "wandb").glob("offline-run-*"), key=lambda p: p.stat().st_mtime_ns)
-    [datastore] = dirs[index].glob("run-*.wandb")
-    out: dict = {"history": {}, "config": {}, "exit_code": None}
-    for rec in _wandb_records(datastore):
-        kind = rec.WhichOneof("record_type")
-        if kind == "run":
-            out.update(id=rec.run.run_id, project=rec.run.project, name=rec.run.display_name)
-            out["config"].update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
-        elif kind == "config":
-            out["config"].update({i.key: json.loads(i.value_json) for i in rec.config.update})
-        elif kind == "history":
-            row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
-            out["history"][rec.history.step.num] = {k: v for k, v in row.items() if not k.startswith("_")}
-        elif kind == "exit":
-            out["exit_code"] = rec.exit.exit_code
-    out["config"].pop("_wandb", None)
-    return out
+def _spy(init=wandb.init, log=wandb.Run.log, finish=wandb.Run.finish):
+    def spy_init(*args, **kwargs):
+        run = init(*args, **kwargs)
+        RUNS.append({"run": run, "init": kwargs, "history": {}, "exit_code": None, "finished": False})
+        return run
+
+    def spy_log(self, data, step=None, *args, **kwargs):
+        history = _entry(self)["history"]
+        assert step not in history, f"step {step} logged twice"
+        history[step] = dict(data)
+        return log(self, data, step, *args, **kwargs)
+
+    def spy_finish(self, exit_code=None, *args, **kwargs):
+        entry = _entry(self)
+        entry.update(exit_code=exit_code, finished=True)
+        return finish(self, exit_code, *args, **kwargs)
+
+    return spy_init, spy_log, spy_finish
+'''
 
 
-def test_wandb_offline_run_holds_metrics_and_config(tmp_path):
-    pytest.importorskip("wandb")
+@pytest.fixture
+def wandb_runs(monkeypatch) -> list[dict]:
+    """Each W&B run the tracker opens, in order: ``run`` (the ``wandb.Run``), the ``init`` kwargs,
+    ``history`` ({step: metrics} as passed to ``Run.log``), ``exit_code`` and ``finished`` (``Run.finish``)."""
+    wandb = pytest.importorskip("wandb")
+    spy: dict = {}
+    exec(_WANDB_SPY, spy)  # noqa: S102 - the test's own source, shared with the child process below
+    spy_init, spy_log, spy_finish = spy["_spy"]()
+    monkeypatch.setattr(wandb, "init", spy_init)
+    monkeypatch.setattr(wandb.Run, "log", spy_log)
+    monkeypatch.setattr(wandb.Run, "finish", spy_finish)
+    return spy["RUNS"]
+
+
+def _assert_wandb_run_under(run: object, run_dir: Path) -> None:
+    """The run's local files (``Run.dir``) and its ``.wandb`` datastore for ``wandb sync`` lie under run_dir."""
+    files = Path(run.dir)  # type: ignore[attr-defined]
+    assert files.is_relative_to(run_dir / "wandb"), files
+    [datastore] = files.parent.glob(f"run-{run.id}.wandb")  # type: ignore[attr-defined]
+    assert datastore.stat().st_size > 0
+
+
+def test_wandb_offline_run_holds_metrics_and_config(tmp_path, wandb_runs):
     run_dir = tmp_path / "run"
     steps = _steps(1, 3)
     _log_run("wandb", run_dir, steps)
 
-    run = _wandb_run(run_dir)
-    assert run["id"] == (run_dir / WANDB_ID_FILE).read_text().strip()
-    assert (run["project"], run["name"]) == ("proj", "exp")
-    assert run["history"] == steps
-    assert run["config"] == CONFIG
-    assert run["exit_code"] == 0
-    assert not any((tmp_path / "wandb_home" / "wandb_dir").glob("**/*.wandb")), "W&B run files outside run_dir"
+    [entry] = wandb_runs
+    run = entry["run"]
+    assert run.id == (run_dir / WANDB_ID_FILE).read_text().strip()
+    assert (run.project, run.name, run.offline) == ("proj", "exp", True)
+    assert entry["history"] == steps  # nan / inf / text dropped before W&B
+    assert {k: v for k, v in dict(run.config).items() if k != "_wandb"} == CONFIG
+    assert (entry["finished"], entry["exit_code"]) == (True, 0)
+    _assert_wandb_run_under(run, run_dir)
+    assert not any((tmp_path / "wandb_home").glob("**/*.wandb")), "W&B run files outside run_dir"
 
 
-def test_wandb_resume_continues_the_same_run(tmp_path):
-    pytest.importorskip("wandb")
+def test_wandb_resume_continues_the_same_run(tmp_path, wandb_runs):
     run_dir = tmp_path / "run"
     _log_run("wandb", run_dir, _steps(1, 2))
     run_id = (run_dir / WANDB_ID_FILE).read_text().strip()
 
     _log_run("wandb", run_dir, _steps(3, 4), resume=True)
     assert (run_dir / WANDB_ID_FILE).read_text().strip() == run_id
-    first, second = _wandb_run(run_dir, 0), _wandb_run(run_dir, 1)
-    assert first["id"] == second["id"] == run_id
+    first, second = wandb_runs
+    assert first["run"].id == second["run"].id == run_id
+    assert second["init"].get("resume") == "allow"
     assert first["history"] == _steps(1, 2)
     assert second["history"] == _steps(3, 4)
+    _assert_wandb_run_under(second["run"], run_dir)
 
     # a fresh (not resumed) run in the same directory is a new W&B run
     Tracker(["wandb"], run_dir, project="proj", experiment="exp").close()
-    assert (run_dir / WANDB_ID_FILE).read_text().strip() != run_id
+    assert wandb_runs[2]["run"].id != run_id
+    assert (run_dir / WANDB_ID_FILE).read_text().strip() == wandb_runs[2]["run"].id
 
 
-def test_wandb_marks_a_failed_run(tmp_path):
-    pytest.importorskip("wandb")
+def test_wandb_marks_a_failed_run(tmp_path, wandb_runs):
     run_dir = tmp_path / "run"
     tracker = Tracker(["wandb"], run_dir, project="proj", experiment="exp")
     with pytest.raises(RuntimeError, match="boom"):
@@ -217,7 +231,9 @@ def test_wandb_marks_a_failed_run(tmp_path):
             raise RuntimeError("boom")
         finally:
             tracker.close()
-    assert _wandb_run(run_dir)["exit_code"] == 1
+    [entry] = wandb_runs
+    assert (entry["finished"], entry["exit_code"]) == (True, 1)
+    assert entry["history"] == _steps(1, 1)
 
 
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
@@ -225,9 +241,12 @@ def test_wandb_without_credentials_logs_offline_and_says_so(tmp_path):
     """With a terminal, no WANDB_MODE and no API key, wandb.init would ask to log in: the tracker goes offline."""
     pytest.importorskip("wandb")
     run_dir = tmp_path / "run"
-    code = ("from polyrl.tracking import Tracker\n"
+    code = (_WANDB_SPY + "wandb.init, wandb.Run.log, wandb.Run.finish = _spy()\n"
+            "import json\nfrom polyrl.tracking import Tracker\n"
             f"t = Tracker(['wandb'], {str(run_dir)!r}, project='proj', experiment='exp')\n"
-            "t.log({'critic/score/mean': 0.5}, 1)\nt.close()\nprint('TRACKER-DONE')\n")
+            "t.log({'critic/score/mean': 0.5}, 1)\nt.close()\n"
+            "[e] = RUNS\nprint('TRACKER-DONE', json.dumps({'offline': e['run'].offline, 'mode': e['init'].get('mode'),"
+            " 'history': e['history'], 'exit_code': e['exit_code']}))\n")
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_SILENT")}
     assert not _wandb_has_credentials()
     master, slave = os.openpty()
@@ -252,8 +271,11 @@ def test_wandb_without_credentials_logs_offline_and_says_so(tmp_path):
         proc.wait()
     text = out.decode(errors="replace")
     assert "TRACKER-DONE" in text and proc.returncode == 0, text
-    assert text.count("[polyrl] wandb: no W&B API key") == 1, text
-    assert _wandb_run(run_dir)["history"] == {1: {"critic/score/mean": 0.5}}
+    assert text.count("wandb: no W&B API key") == 1, text  # a warning of the polyrl.metrics logger
+    [line] = [ln for ln in text.splitlines() if ln.startswith("TRACKER-DONE ")]
+    seen = json.loads(line.removeprefix("TRACKER-DONE "))
+    assert seen == {"offline": True, "mode": "offline", "history": {"1": {"critic/score/mean": 0.5}}, "exit_code": 0}
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
 def test_wandb_credentials_are_found_in_env_and_netrc(tmp_path, monkeypatch):
@@ -317,7 +339,7 @@ def test_mlflow_respects_tracking_uri(tmp_path, monkeypatch):
     assert _mlflow_history(_mlflow_client(store.as_uri()), run_id, "critic/score/mean") == {1: 0.1, 2: 0.2}
 
 
-def test_mlflow_resume_continues_the_same_run(tmp_path, capfd):
+def test_mlflow_resume_continues_the_same_run(tmp_path, caplog):
     pytest.importorskip("mlflow")
     run_dir = tmp_path / "run"
     _log_run("mlflow", run_dir, _steps(1, 2))
@@ -333,7 +355,7 @@ def test_mlflow_resume_continues_the_same_run(tmp_path, capfd):
     assert _mlflow_history(client, run_id, "val/gsm8k/mean_at_1") == {s: 0.25 * s for s in range(1, 5)}
     assert run.data.params["actor.ppo_epochs"] == "2"  # MLflow params cannot change
     assert run.data.params["extra"] == "7"
-    assert "kept as they were: actor.ppo_epochs" in capfd.readouterr().err
+    assert "kept as they were: actor.ppo_epochs" in caplog.text  # a warning through polyrl's logger
 
     # a fresh run in the same directory is a new MLflow run
     Tracker(["mlflow"], run_dir, project="proj", experiment="exp").close()
@@ -368,8 +390,8 @@ def test_mlflow_marks_a_failed_run(tmp_path):
     assert client.get_run((run_dir / MLFLOW_ID_FILE).read_text().strip()).info.status == "FAILED"
 
 
-def test_all_backends_together_and_jsonl(tmp_path):
-    for mod in ("tensorboard", "wandb", "mlflow"):
+def test_all_backends_together_and_jsonl(tmp_path, wandb_runs):
+    for mod in ("tensorboard", "mlflow"):
         pytest.importorskip(mod)
     from polyrl.tracking import read_metrics
 
@@ -382,7 +404,8 @@ def test_all_backends_together_and_jsonl(tmp_path):
     assert [{k: v for k, v in row.items() if k not in ("step", "time")} for row in read_metrics(run_dir)] == \
         list(steps.values())
     assert _tb_scalars(run_dir / "tensorboard")["actor/pg_loss"] == _expected(steps)["actor/pg_loss"]
-    assert _wandb_run(run_dir)["history"] == steps
+    [wandb_run] = wandb_runs
+    assert wandb_run["history"] == steps and wandb_run["exit_code"] == 0
     client = _mlflow_client((run_dir / "mlruns").as_uri())
     assert _mlflow_history(client, (run_dir / MLFLOW_ID_FILE).read_text().strip(), "actor/pg_loss") == \
         {1: -0.25, 2: -0.2}

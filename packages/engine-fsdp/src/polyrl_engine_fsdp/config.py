@@ -29,3 +29,6 @@ class FSDPConfig:
     shared_prompt: bool = True
     #: What ``export_hf`` writes for a LoRA model: ``merged`` weights or the ``adapter`` alone.
     lora_export: str = "merged"
+    #: Largest safetensors file ``export_hf`` writes (transformers' ``max_shard_size``); a bigger model is
+    #: split into shards with a ``model.safetensors.index.json``.
+    export_max_shard_size: str = "5GB"

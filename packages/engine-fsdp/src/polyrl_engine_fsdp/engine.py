@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import random
@@ -30,8 +31,13 @@ from torch import nn
 
 from polyrl.batch import require_fields
 from polyrl.errors import CheckpointError, ConfigError
+from polyrl.lr_schedules import build_lr_scheduler
+from polyrl.models.paths import check_model_path
 from polyrl.protocols import LossScale
+from polyrl.trainer.checkpoint import load_dcp, load_tensors
 from polyrl_engine_fsdp.config import FSDPConfig
+
+logger = logging.getLogger(__name__)
 
 _NEEDED = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 #: transformers attention implementations that build per-sequence masks from restarting position_ids
@@ -163,9 +169,8 @@ class FSDPEngine:
         from transformers import AutoConfig
 
         mcfg = self.config.model
-        path = Path(mcfg.path)
-        if not (path / "config.json").exists():
-            raise ConfigError(f"{self.role}.model.path={mcfg.path}: no HF model there (config.json is missing)")
+        check_model_path(mcfg.path, f"{self.role}.model.path")  # a folder, or a Hub id transformers resolves
+        path = mcfg.path
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=mcfg.trust_remote_code, **mcfg.override_config)
         archs = getattr(hf_config, "architectures", None) or []
         suffixes = ("ForCausalLM", "LMHeadModel") + (("ForTokenClassification",) if self.model_type == "value" else ())
@@ -267,7 +272,7 @@ class FSDPEngine:
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
                 offset += p.numel()
 
-    def _load_hf(self, path: Path, hf_config: Any, dtype: torch.dtype, mcfg: Any) -> nn.Module:
+    def _load_hf(self, path: str, hf_config: Any, dtype: torch.dtype, mcfg: Any) -> nn.Module:
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         cls = AutoModelForTokenClassification if self.model_type == "value" else AutoModelForCausalLM
@@ -312,20 +317,7 @@ class FSDPEngine:
         impl = {"fused": True} if fused else {"foreach": True}
         self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay, **impl)
-        total = max(1, o.total_steps)
-        warmup = o.warmup_steps or int(o.warmup_ratio * total)
-
-        def factor(step: int) -> float:
-            if warmup and step < warmup:
-                return (step + 1) / warmup
-            if o.lr_scheduler == "cosine":
-                progress = min(1.0, (step - warmup) / max(1, total - warmup))
-                return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-            if o.lr_scheduler != "constant":
-                raise ConfigError(f"{self.role}.optim.lr_scheduler={o.lr_scheduler!r}: choose constant or cosine")
-            return 1.0
-
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+        self.scheduler = build_lr_scheduler(self.optimizer, o, f"{self.role}.optim")
 
     # ------------------------------------------------------------------ forward passes
     def _forward(self, mb: TensorDict, temperature: float, compute_entropy: bool
@@ -527,8 +519,9 @@ class FSDPEngine:
         tmp = final.parent / f"{final.name}.tmp-{token[0]}"
         state = self._dcp_state()
         dcp.save(state, checkpoint_id=str(tmp))
+        # The device's generator through the platform (CUDA, NPU...; on CPU the same as "torch").
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+               "device": self.platform.rng_state(), "device_type": self.platform.device_type}
         torch.save({"rng": rng, "scheduler": self.scheduler.state_dict() if self.scheduler else None},
                    tmp / f"extra_rank{self._rank}.pt")
         dist.barrier()
@@ -547,7 +540,6 @@ class FSDPEngine:
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote; ``CheckpointError`` names a world-size or model mismatch."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         folder = Path(path)
@@ -562,47 +554,88 @@ class FSDPEngine:
             raise CheckpointError(f"checkpoint {folder} holds a different model (parameter names/shapes differ from "
                                   f"{self.role}.model.path={self.config.model.path})")
         state = self._dcp_state()
-        dcp.load(state, checkpoint_id=str(folder))
+        load_dcp(state, folder)  # refuses pickled code in the metadata and non-tensor items
         if self.optimizer is not None:
             set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         else:
             set_state_dict(self.module, [], model_state_dict=state["model"], optim_state_dict={})
-        extra = torch.load(folder / f"extra_rank{self._rank}.pt", weights_only=False)
+        extra = load_tensors(folder / f"extra_rank{self._rank}.pt")
         if self.scheduler is not None and extra["scheduler"] is not None:
             self.scheduler.load_state_dict(extra["scheduler"])
+            self._apply_optim_config()
         torch.set_rng_state(extra["rng"]["torch"])
-        if extra["rng"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
+        if extra["rng"].get("device_type") == self.platform.device_type:
+            self.platform.set_rng_state(extra["rng"]["device"])
+        else:  # resumed on another kind of device: its generator starts from the seed instead
+            logger.warning("checkpoint %s holds %s RNG state; this run is on %s: device RNG not restored", folder,
+                           extra["rng"].get("device_type", "no device"), self.platform.device_type)
         random.setstate(extra["rng"]["python"])
         self.step = meta["step"]
 
-    def export_hf(self, path: str) -> None:
-        """A transformers folder at ``path``: safetensors, config, tokenizer; LoRA merged or (``fsdp.lora_export``)
-        the adapter alone in peft's format."""
-        from safetensors.torch import save_file
+    def _apply_optim_config(self) -> None:
+        """Make the current config's LR and weight decay rule over the restored optimizer and schedule (they
+        equal the checkpoint's unless ``trainer.resume_override`` allowed them to change)."""
+        o = self.config.optim
+        for i, group in enumerate(self.optimizer.param_groups):
+            old_base = group.get("initial_lr") or self.scheduler.base_lrs[i]
+            if old_base:  # keep the schedule's position: scale the current LR by new base / old base
+                group["lr"] = group["lr"] * o.lr / old_base
+            group["initial_lr"] = o.lr
+            group["weight_decay"] = o.weight_decay
+        self.scheduler.base_lrs = [o.lr for _ in self.scheduler.base_lrs]
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
+    def export_hf(self, path: str) -> None:
+        """The folder ``save_pretrained`` writes, at ``path``: config, generation config, safetensors (sharded with
+        ``model.safetensors.index.json`` above ``fsdp.export_max_shard_size``), tokenizer.
+
+        LoRA is merged into the weights, or with ``fsdp.lora_export: adapter`` written as a peft adapter folder
+        (``adapter_config.json`` + ``adapter_model.safetensors``, loaded by ``PeftModel.from_pretrained``).
+        Collective: every rank gathers the parameters, rank 0 writes.
+        """
         out = Path(path)
         adapter = self.lora and self.fsdp.lora_export == "adapter"
-        tensors = {n: t.detach().cpu().contiguous() for n, t in (self._adapter_params() if adapter else self._full_params())}
+        if adapter:  # what peft's own state dict holds: the LoRA tensors and any fully trained module (a critic's head)
+            source = ((n[len("model."):], _full(p)) for n, p in self.module.named_parameters() if p.requires_grad)
+        else:
+            source = self._full_params()
+        tensors = {}
+        for name, tensor in source:  # collective: every rank gathers, rank 0 keeps
+            if self._rank == 0:
+                tensors[name] = tensor.detach().cpu().contiguous()
         if self._rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             if adapter:
-                peft_cfg = self.module.model.peft_config["default"]
-                peft_cfg.save_pretrained(str(out))
-                save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+                # peft's save_embedding_layers="auto" may look the base model up on the hub; the vocabulary never changes here
+                self.module.model.save_pretrained(str(out), state_dict=tensors, save_embedding_layers=False)
             else:
-                if getattr(self.hf_config, "tie_word_embeddings", False):
-                    tensors.pop("lm_head.weight", None)
-                self.hf_config.save_pretrained(out)
-                save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-            tok_src = self.config.model.tokenizer_path or self.config.model.path
-            try:
-                from transformers import AutoTokenizer
-
-                AutoTokenizer.from_pretrained(tok_src).save_pretrained(out)
-            except (OSError, ValueError):
-                pass  # a model folder without a tokenizer exports without one
+                self._meta_model().save_pretrained(out, state_dict=tensors, max_shard_size=self.fsdp.export_max_shard_size)
+            self._save_tokenizer(out)
         dist.barrier()
+
+    def _meta_model(self) -> nn.Module:
+        """The HF model class of this role on the meta device (no memory), with the source's generation config."""
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, GenerationConfig
+
+        cls = AutoModelForTokenClassification if self.model_type == "value" else AutoModelForCausalLM
+        with torch.device("meta"):
+            model = cls.from_config(self.hf_config, trust_remote_code=self.config.model.trust_remote_code)
+        if model.can_generate():
+            try:  # the model folder's own sampling defaults (eos ids, temperature...), as from_pretrained reads them
+                model.generation_config = GenerationConfig.from_pretrained(self.config.model.path)
+            except OSError:
+                model.generation_config = GenerationConfig.from_model_config(self.hf_config)
+        return model
+
+    def _save_tokenizer(self, out: Path) -> None:
+        from transformers import AutoTokenizer
+
+        source = self.config.model.tokenizer_path or self.config.model.path
+        try:
+            AutoTokenizer.from_pretrained(source, trust_remote_code=self.config.model.trust_remote_code).save_pretrained(out)
+        except (OSError, ValueError) as exc:
+            logger.warning("export %s: no tokenizer written (%s.model.tokenizer_path / %s.model.path=%s has none "
+                           "that loads: %s)", out, self.role, self.role, source, exc)
 
     # ------------------------------------------------------------------ memory
     def offload(self) -> None:

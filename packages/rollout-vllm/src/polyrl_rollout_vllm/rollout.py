@@ -18,8 +18,9 @@ import torch
 from polyrl.errors import PolyrlError
 from polyrl.protocols import GenerationRequest, GenerationResult, RolloutCapabilities, SamplingParams
 from polyrl.rollout.limits import check_model_length
+from polyrl.rollout.lora_adapter import LoRAAdapterSync
+from polyrl.rollout.weights import check_named_tensors, hf_param_shapes, request_seed
 from polyrl_rollout_vllm.config import VLLMConfig
-from polyrl_rollout_vllm.lora import LoRAAdapterSync
 from polyrl_rollout_vllm.worker_extension import pack_weights
 
 INSTALL_HINT = ("pip install 'polyrl-rollout-vllm[cuda]' on a CUDA machine, or 'polyrl-rollout-vllm[cpu]' "
@@ -63,6 +64,10 @@ class VLLMRollout:
         self.eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         if self.on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.vcfg.cpu_kvcache_space_gib))
+            if config.tensor_parallel_size > 1:
+                # vLLM's automatic thread binding wants one NUMA node per TP rank and fails on smaller
+                # machines; unbound threads work everywhere (set the variable to bind them yourself)
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         # vllm.LLM keeps its engine core in this process: weight syncs hand tensors over without copies.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one INFO line per weight sync otherwise
@@ -80,6 +85,10 @@ class VLLMRollout:
         )
         if self.vcfg.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = self.vcfg.max_num_batched_tokens
+        if config.tensor_parallel_size > 1:
+            # a replica's TP ranks are processes this one starts on its replica's devices; inside a Ray
+            # worker vLLM would otherwise pick its Ray executor and look for devices of its own
+            kwargs["distributed_executor_backend"] = "mp"
         if self.vcfg.lora_adapter:
             kwargs.update(enable_lora=True, max_lora_rank=self.vcfg.max_lora_rank, max_loras=1)
         if not self.on_cpu:
@@ -106,7 +115,8 @@ class VLLMRollout:
             raise
         self._param_shapes: dict[str, tuple[int, ...]] | None = None
         self._staged: dict[str, torch.Tensor] = {}
-        self._adapter = LoRAAdapterSync(self.vcfg) if self.vcfg.lora_adapter else None
+        self._adapter = (LoRAAdapterSync("vllm", lora_alpha=self.vcfg.lora_alpha, max_lora_rank=self.vcfg.max_lora_rank)
+                         if self.vcfg.lora_adapter else None)
         self._lora_request: Any = None
 
     # ------------------------------------------------------------------ generation
@@ -117,7 +127,7 @@ class VLLMRollout:
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0,
             max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids) or None,
             ignore_eos=params.ignore_eos, logprobs=0 if params.logprobs else None,
-            seed=None if params.seed is None else params.seed + 7919 * offset,
+            seed=request_seed(params.seed, offset),
         )
         return self._vllm.SamplingParams(**kw)
 
@@ -211,11 +221,7 @@ class VLLMRollout:
     # ------------------------------------------------------------------ weights
     def _hf_shapes(self) -> dict[str, tuple[int, ...]]:
         if self._param_shapes is None:
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path))
-            self._param_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+            self._param_shapes = hf_param_shapes(str(self.model_path))
         return self._param_shapes
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -228,15 +234,9 @@ class VLLMRollout:
         if adapter:
             self._adapter.check(adapter, shapes)
             tensors = [(n, t) for n, t in tensors if not LoRAAdapterSync.is_adapter_name(n)]
-        for name, tensor in tensors:  # validate everything first: a bad bucket changes nothing
-            if name not in shapes:
-                hint = (" It is a LoRA adapter tensor: set model.lora.sync=merged, or rollout.vllm.lora_adapter=true "
-                        "to serve the adapter." if ".lora_" in name else "")
-                raise KeyError(f"vllm rollout: weight '{name}' matches no parameter of the model at "
-                               f"{self.model_path}.{hint}")
-            if tuple(tensor.shape) != shapes[name]:
-                raise ValueError(f"vllm rollout: weight '{name}' has shape {tuple(tensor.shape)}, the model's is "
-                                 f"{shapes[name]}")
+        # validate everything first: a bad bucket changes nothing
+        check_named_tensors(tensors, shapes, rollout="vllm", model_path=str(self.model_path),
+                            adapter_option="rollout.vllm.lora_adapter=true")
         # Staged until the next generation: vLLM fuses q/k/v (and gate/up) into one parameter, and a
         # reload that sees only some parts of a fused parameter (a bucket boundary between q_proj and
         # k_proj) corrupts it, so every bucket of one sync is loaded in a single reload.

@@ -17,9 +17,12 @@ def sign_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
     if token_level_rewards.shape != response_mask.shape:
         raise ValueError(f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "
                          f"{tuple(response_mask.shape)} differ in shape")
-    if not torch.isfinite(token_level_rewards).all():
-        raise ValueError("token_level_rewards holds NaN/inf")
-    scores = token_level_rewards.sum(-1).double()
+    valid = response_mask != 0
+    if not torch.isfinite(token_level_rewards[valid]).all():
+        raise ValueError("token_level_rewards holds NaN/inf on response tokens")
+    # select, not multiply: whatever padding holds (NaN included) must not change the result
+    rewards = torch.where(valid, token_level_rewards, torch.zeros_like(token_level_rewards))
+    scores = rewards.sum(-1).double()
     if index is None:
         index = np.zeros(scores.shape[0])
     _, groups = np.unique(np.asarray(index).astype(str), return_inverse=True)
@@ -28,5 +31,5 @@ def sign_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
     sums = torch.zeros(n, dtype=torch.float64).index_add_(0, gid, scores)
     counts = torch.bincount(gid, minlength=n).double()
     adv = torch.sign(scores - (sums / counts)[gid]).to(token_level_rewards.dtype)
-    out = adv.unsqueeze(-1) * response_mask
+    out = torch.where(valid, adv.unsqueeze(-1).expand_as(rewards), torch.zeros_like(rewards))
     return out, out

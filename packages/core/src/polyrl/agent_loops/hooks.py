@@ -6,3 +6,11 @@ from polyrl.hookspecs import hookimpl
 @hookimpl
 def register_agent_loops(register):
     register("single_turn", "polyrl.agent_loops.single_turn:SingleTurnAgentLoop", description="one generation")
+    register("tool_agent", "polyrl.agent_loops.tool_agent:ToolAgentLoop",
+             description="multi-turn generation with tool calls (agent.tools, agent.tool_parser)")
+
+
+@hookimpl
+def register_reward_functions(register):
+    register("tool_arithmetic", "polyrl.agent_loops.arithmetic_task:compute_score", data_sources=["tool_arithmetic"],
+             description="the final answer of the calculator task (quickstart-agent)")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -10,6 +12,8 @@ import torch
 from tensordict import TensorDict
 
 from polyrl.protocols import AgentLoopOutput, GenerationRequest, GenerationResult, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class BatchingClient:
@@ -49,8 +53,9 @@ class BatchingClient:
         pending, self._pending = self._pending, []
         if not pending:
             return
+        requests = [r for r, _ in pending]
         try:
-            results = self.rollout.generate([r for r, _ in pending])
+            results = self.rollout.generate(self._shared_budgets(requests))
         except Exception as exc:  # every waiting loop sees the error
             for _, fut in pending:
                 if not fut.done():
@@ -59,8 +64,36 @@ class BatchingClient:
         pos = 0
         for request, fut in pending:
             n = request.sampling_params.n
-            fut.set_result(results[pos : pos + n])
+            fut.set_result([_cut(r, request.sampling_params.max_new_tokens) for r in results[pos : pos + n]])
             pos += n
+
+    def _shared_budgets(self, requests: list[GenerationRequest]) -> list[GenerationRequest]:
+        """Requests that differ only in ``max_new_tokens`` (multi-turn loops: each trajectory has its own
+        budget left) get the largest of them, so a rollout that batches equal sampling params batches them
+        together; results are cut back to each request's own budget. Only where the rollout states its
+        ``max_model_len`` and every merged request still fits it."""
+        limit = getattr(self.rollout, "max_model_len", None)
+        if not isinstance(limit, int) or limit <= 0 or len(requests) < 2:
+            return requests
+        largest: dict[Any, int] = {}
+        for r in requests:
+            key = repr(r.sampling_params.replace(max_new_tokens=0))
+            largest[key] = max(largest.get(key, 0), r.sampling_params.max_new_tokens)
+        out = []
+        for r in requests:
+            budget = largest[repr(r.sampling_params.replace(max_new_tokens=0))]
+            if budget != r.sampling_params.max_new_tokens and len(r.prompt_ids) + budget <= limit:
+                r = dataclasses.replace(r, sampling_params=r.sampling_params.replace(max_new_tokens=budget))
+            out.append(r)
+        return out
+
+
+def _cut(result: GenerationResult, budget: int) -> GenerationResult:
+    """``result`` limited to ``budget`` tokens (a prefix of a sample is the sample under that budget)."""
+    if len(result.response_ids) <= budget:
+        return result
+    return dataclasses.replace(result, response_ids=list(result.response_ids[:budget]),
+                               log_probs=list(result.log_probs[:budget]), finish_reason="length")
 
 
 def run_agent_loops(samples: Sequence[Mapping[str, Any]], sampling_params: SamplingParams, client: Any,
@@ -79,6 +112,20 @@ def run_agent_loops(samples: Sequence[Mapping[str, Any]], sampling_params: Sampl
     return asyncio.run(main())
 
 
+#: Per-sample agent statistics collated into ``[B]`` tensor fields (0 for loops that do not report them).
+AGENT_FIELDS = ("tool_calls", "tool_errors", "tool_time_s", "tool_reward", "truncated")
+
+
+def _turn_boundary_cut(mask: Sequence[int], limit: int) -> int:
+    """The longest prefix of at most ``limit`` tokens that ends where a segment (model turn or tool
+    message) ends; ``limit`` itself when the first segment is already longer."""
+    cut = 0
+    for i in range(1, min(limit, len(mask)) + 1):
+        if i == len(mask) or mask[i] != mask[i - 1]:
+            cut = i
+    return cut or limit
+
+
 def collate(outputs: Sequence[AgentLoopOutput], *, pad_token_id: int, max_prompt_length: int,
             max_response_length: int) -> TensorDict:
     """A batch (field names of :mod:`polyrl.protocols`) from trajectories.
@@ -86,9 +133,29 @@ def collate(outputs: Sequence[AgentLoopOutput], *, pad_token_id: int, max_prompt
     Prompts are left-padded to ``max_prompt_length`` (longer ones keep their end);
     responses right-padded to ``max_response_length``. The fixed widths let batches
     from different ranks concatenate; engines trim all-padding columns per micro-batch.
+    A response longer than ``max_response_length`` is cut at its last turn boundary
+    that fits, flagged in the ``truncated`` field (and the ``agent/truncated`` metric)
+    and logged, never cut silently. Agent statistics (``num_turns`` and
+    :data:`AGENT_FIELDS`) become ``[B]`` fields.
     """
     prompts = [list(o.prompt_ids)[-max_prompt_length:] for o in outputs]
-    responses = [list(o.response_ids)[:max_response_length] for o in outputs]
+    for o in outputs:
+        if len(o.prompt_ids) > max_prompt_length:
+            logger.warning("a prompt of %d tokens (after the agent loop rendered it) is longer than "
+                           "data.max_prompt_length=%d: its start is cut", len(o.prompt_ids), max_prompt_length)
+    responses = []
+    truncated = []
+    for o in outputs:
+        r = list(o.response_ids)
+        cut = len(r) > max_response_length
+        if cut:
+            keep = _turn_boundary_cut(list(o.response_mask), max_response_length)
+            logger.warning("trajectory of %d response tokens is longer than data.max_response_length=%d: cut at a "
+                           "turn boundary to %d tokens (finish_reason 'truncated')", len(r), max_response_length, keep)
+            r = r[:keep]
+            o.finish_reason = "truncated"
+        responses.append(r)
+        truncated.append(cut or bool(o.metrics.get("truncated", 0.0)) or o.finish_reason in ("length", "max_turns"))
     p_len, r_len = max_prompt_length, max_response_length
     b = len(outputs)
     prompt_t = torch.full((b, p_len), pad_token_id, dtype=torch.long)
@@ -109,16 +176,80 @@ def collate(outputs: Sequence[AgentLoopOutput], *, pad_token_id: int, max_prompt
             logp[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
     attention = torch.cat([prompt_m, resp_attn], dim=1)
     position = (attention.cumsum(-1) - 1).clamp(min=0)
-    return TensorDict(
-        {
-            "prompts": prompt_t,
-            "responses": resp_t,
-            "response_mask": resp_m,
-            "input_ids": torch.cat([prompt_t, resp_t], dim=1),
-            "attention_mask": attention,
-            "position_ids": position,
-            "rollout_log_probs": logp,
-            "num_turns": torch.tensor([o.num_turns for o in outputs]),
-        },
-        batch_size=[b],
-    )
+    fields = {
+        "prompts": prompt_t,
+        "responses": resp_t,
+        "response_mask": resp_m,
+        "input_ids": torch.cat([prompt_t, resp_t], dim=1),
+        "attention_mask": attention,
+        "position_ids": position,
+        "rollout_log_probs": logp,
+        "num_turns": torch.tensor([o.num_turns for o in outputs]),
+    }
+    for name in AGENT_FIELDS:
+        values = [float(o.metrics.get(name, 0.0)) for o in outputs]
+        if name == "truncated":
+            values = [float(t) for t in truncated]
+        fields[name] = torch.tensor(values, dtype=torch.float32)
+    batch = TensorDict(fields, batch_size=[b])
+    _add_extras(batch, outputs)
+    return batch
+
+
+def _add_extras(batch: TensorDict, outputs: Sequence[AgentLoopOutput]) -> None:
+    """``AgentLoopOutput.extra`` into the batch: numbers and same-shape tensors as ``[B, ...]`` fields,
+    anything else (or a key some samples lack) as a non-tensor field."""
+    from polyrl.batch import set_non_tensor
+
+    keys = sorted({k for o in outputs for k in o.extra})
+    for key in keys:
+        if key in batch.keys():
+            raise ValueError(f"agent loop extra '{key}' would overwrite the batch field of the same name; rename it")
+        values = [o.extra.get(key) for o in outputs]
+        if all(isinstance(v, (int, float, bool)) and not isinstance(v, str) for v in values):
+            batch[key] = torch.tensor([float(v) for v in values])
+        elif all(isinstance(v, torch.Tensor) for v in values) and len({tuple(v.shape) for v in values}) == 1:
+            batch[key] = torch.stack(values)
+        else:
+            set_non_tensor(batch, key, values)
+
+
+def agent_metrics(batch: TensorDict) -> dict[str, float]:
+    """``agent/*`` metrics of a collated batch: turns, tool calls / errors / time, tool use, truncations."""
+    if "tool_calls" not in batch.keys():
+        return {}
+    calls = batch["tool_calls"].float()
+    turns = batch["num_turns"].float()
+    return {
+        "agent/turns/mean": float(turns.mean()),
+        "agent/turns/max": float(turns.max()),
+        "agent/tool_calls/mean": float(calls.mean()),
+        "agent/tool_calls/total": float(calls.sum()),
+        "agent/tool_use_rate": float((calls > 0).float().mean()),
+        "agent/tool_errors/total": float(batch["tool_errors"].sum()),
+        "agent/tool_error_rate": float(batch["tool_errors"].sum() / calls.sum().clamp(min=1)),
+        "agent/tool_time_s/mean": float(batch["tool_time_s"].mean()),
+        "agent/tool_reward/mean": float(batch["tool_reward"].mean()),
+        "agent/truncated": float(batch["truncated"].mean()),
+    }
+
+
+def fold_tool_rewards(batch: TensorDict, config: Any) -> None:
+    """Add the tools' rewards (``ToolResult.reward``, summed per sample) to ``token_level_scores``.
+
+    ``config`` is the ``agent`` block: ``tool_reward`` ``sum`` adds ``tool_reward_coef`` times the sum
+    at the last response token (where outcome rewards sit); ``none`` leaves the scores alone.
+    """
+    mode = getattr(config, "tool_reward", "sum")
+    if mode == "none" or "tool_reward" not in batch.keys():
+        return
+    if mode != "sum":
+        raise ValueError(f"agent.tool_reward={mode!r}: choose 'sum' or 'none'")
+    rewards = batch["tool_reward"].float() * float(getattr(config, "tool_reward_coef", 1.0))
+    if not bool((rewards != 0).any()):
+        return
+    r_len = batch["responses"].shape[1]
+    last = (batch["attention_mask"][:, -r_len:].sum(-1) - 1).clamp(min=0)
+    scores = batch["token_level_scores"].clone()
+    scores[torch.arange(scores.shape[0]), last] += rewards.to(scores.dtype)
+    batch["token_level_scores"] = scores

@@ -28,4 +28,5 @@ class SingleTurnAgentLoop:
             log_probs=list(result.log_probs) or [0.0] * len(result.response_ids),
             num_turns=1,
             finish_reason=result.finish_reason,
+            extra=dict(result.extra),  # backend outputs reach the batch (see collate)
         )

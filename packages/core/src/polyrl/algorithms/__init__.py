@@ -5,38 +5,158 @@ loss is found exactly like a built-in one::
 
     from polyrl.algorithms import get_adv_estimator_fn, get_policy_loss_fn
     adv, ret = get_adv_estimator_fn("grpo")(token_level_rewards, response_mask, index=uids)
+
+The names verl users import from ``verl.trainer.ppo.core_algos`` (estimators,
+losses, ``agg_loss``, ``kl_penalty``, KL controllers...) are importable from here;
+``verl.utils.torch_functional``'s helpers from :mod:`polyrl.algorithms.torch_functional`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from enum import Enum
+from typing import TYPE_CHECKING, Any
 
-from polyrl.algorithms.core import (
-    AdaptiveKLController,
-    FixedKLController,
-    agg_loss,
-    apply_kl_penalty,
-    compute_value_loss,
-    entropy_from_logits,
-    get_kl_controller,
-    kl_penalty,
-    masked_mean,
-    masked_whiten,
-)
+from polyrl.errors import RegistryError
+
+if TYPE_CHECKING:
+    from polyrl.algorithms.advantages import (
+        compute_gae_advantage_return,
+        compute_gdpo_outcome_advantage,
+        compute_gpg_outcome_advantage,
+        compute_grpo_outcome_advantage,
+        compute_grpo_passk_outcome_advantage,
+        compute_grpo_vectorized_outcome_advantage,
+        compute_multi_turn_optimal_token_baseline_advantage,
+        compute_opo_outcome_advantage,
+        compute_optimal_token_baseline_advantage,
+        compute_reinforce_plus_plus_baseline_outcome_advantage,
+        compute_reinforce_plus_plus_outcome_advantage,
+        compute_remax_outcome_advantage,
+        compute_rloo_outcome_advantage,
+        compute_rloo_vectorized_outcome_advantage,
+    )
+    from polyrl.algorithms.core import (
+        AdaptiveKLController,
+        FixedKLController,
+        agg_loss,
+        apply_kl_penalty,
+        compute_entropy_loss,
+        compute_value_loss,
+        get_kl_controller,
+        kl_penalty,
+    )
+    from polyrl.algorithms.policy_losses import (
+        compute_policy_loss_bypass_mode,
+        compute_policy_loss_cispo,
+        compute_policy_loss_clip_cov,
+        compute_policy_loss_dppo_kl,
+        compute_policy_loss_dppo_tv,
+        compute_policy_loss_dro,
+        compute_policy_loss_geo_mean,
+        compute_policy_loss_gpg,
+        compute_policy_loss_gspo,
+        compute_policy_loss_kl_cov,
+        compute_policy_loss_reinforce,
+        compute_policy_loss_sapo,
+        compute_policy_loss_vanilla,
+    )
+    from polyrl.algorithms.rollout_correction import compute_rollout_correction_and_rejection_mask
+    from polyrl.algorithms.torch_functional import (
+        clip_by_value,
+        entropy_from_logits,
+        logprobs_from_logits,
+        masked_mean,
+        masked_sum,
+        masked_var,
+        masked_whiten,
+    )
+
+#: public name -> module, imported on first use (PEP 562) so that loading ``polyrl.algorithms.hooks``
+#: (``polyrl plugins``) does not import torch
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(("AdaptiveKLController", "FixedKLController", "agg_loss", "apply_kl_penalty",
+                     "compute_entropy_loss", "compute_value_loss", "get_kl_controller", "kl_penalty"),
+                    "polyrl.algorithms.core"),
+    **dict.fromkeys(("clip_by_value", "entropy_from_logits", "logprobs_from_logits", "masked_mean", "masked_sum",
+                     "masked_var", "masked_whiten"), "polyrl.algorithms.torch_functional"),
+    **dict.fromkeys(("compute_gae_advantage_return", "compute_gdpo_outcome_advantage",
+                     "compute_gpg_outcome_advantage", "compute_grpo_outcome_advantage",
+                     "compute_grpo_passk_outcome_advantage", "compute_grpo_vectorized_outcome_advantage",
+                     "compute_multi_turn_optimal_token_baseline_advantage", "compute_opo_outcome_advantage",
+                     "compute_optimal_token_baseline_advantage",
+                     "compute_reinforce_plus_plus_baseline_outcome_advantage",
+                     "compute_reinforce_plus_plus_outcome_advantage", "compute_remax_outcome_advantage",
+                     "compute_rloo_outcome_advantage", "compute_rloo_vectorized_outcome_advantage"),
+                    "polyrl.algorithms.advantages"),
+    **dict.fromkeys(("compute_policy_loss_bypass_mode", "compute_policy_loss_cispo", "compute_policy_loss_clip_cov",
+                     "compute_policy_loss_dppo_kl", "compute_policy_loss_dppo_tv", "compute_policy_loss_dro",
+                     "compute_policy_loss_geo_mean", "compute_policy_loss_gpg", "compute_policy_loss_gspo",
+                     "compute_policy_loss_kl_cov", "compute_policy_loss_reinforce", "compute_policy_loss_sapo",
+                     "compute_policy_loss_vanilla"), "polyrl.algorithms.policy_losses"),
+    "compute_rollout_correction_and_rejection_mask": "polyrl.algorithms.rollout_correction",
+}
 
 
-def get_adv_estimator_fn(name: str) -> Any:
-    """The advantage estimator registered as ``name`` (``grpo``, ``gae``, a plugin's own...)."""
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class UnknownAlgorithmError(RegistryError, ValueError):
+    """An advantage estimator or policy loss name nobody registered.
+
+    A ``ValueError`` like verl's (``except ValueError`` in verl code keeps working) and a
+    :class:`~polyrl.errors.RegistryError` like every unknown registry name in polyrl.
+    """
+
+
+class AdvantageEstimator(str, Enum):
+    """verl's enum of built-in estimator names; ``get_adv_estimator_fn`` takes a member or a plain string."""
+
+    GAE = "gae"
+    GRPO = "grpo"
+    REINFORCE_PLUS_PLUS = "reinforce_plus_plus"
+    REINFORCE_PLUS_PLUS_BASELINE = "reinforce_plus_plus_baseline"
+    REMAX = "remax"
+    RLOO = "rloo"
+    OPO = "opo"
+    GRPO_PASSK = "grpo_passk"
+    GPG = "gpg"
+    RLOO_VECTORIZED = "rloo_vectorized"
+    GRPO_VECTORIZED = "grpo_vectorized"
+    OPTIMAL_TOKEN_BASELINE = "optimal_token_baseline"
+    TIR_OPTIMAL_TOKEN_BASELINE = "tir_optimal_token_baseline"
+    GDPO = "gdpo"
+
+
+def _lookup(kind: str, name: str | Enum) -> Any:
     from polyrl.plugins import get_plugin_manager
 
-    return get_plugin_manager().get("advantage_estimator", name)
+    key = name.value if isinstance(name, Enum) else name
+    registry = get_plugin_manager().registry(kind)
+    try:
+        registry.entry(key)
+    except RegistryError as exc:
+        raise UnknownAlgorithmError(str(exc)) from None
+    return registry.get(key)
+
+
+def get_adv_estimator_fn(name_or_enum: str | Enum) -> Any:
+    """The advantage estimator registered as ``name_or_enum`` (``grpo``, ``gae``, a plugin's own...).
+
+    An unknown name raises :class:`UnknownAlgorithmError` (a ``ValueError``) listing the registered ones.
+    """
+    return _lookup("advantage_estimator", name_or_enum)
 
 
 def get_policy_loss_fn(name: str) -> Any:
-    """The policy loss registered as ``name`` (``vanilla``, ``gspo``, a plugin's own...)."""
-    from polyrl.plugins import get_plugin_manager
+    """The policy loss registered as ``name`` (``vanilla``, ``gspo``, a plugin's own...).
 
-    return get_plugin_manager().get("policy_loss", name)
+    An unknown name raises :class:`UnknownAlgorithmError` (a ``ValueError``) listing the registered ones.
+    """
+    return _lookup("policy_loss", name)
 
 
 def compute_advantage(name: str, **kwargs: Any) -> tuple[Any, Any]:
@@ -46,16 +166,51 @@ def compute_advantage(name: str, **kwargs: Any) -> tuple[Any, Any]:
 
 __all__ = [
     "AdaptiveKLController",
+    "AdvantageEstimator",
     "FixedKLController",
+    "UnknownAlgorithmError",
     "agg_loss",
     "apply_kl_penalty",
+    "clip_by_value",
     "compute_advantage",
+    "compute_entropy_loss",
+    "compute_gae_advantage_return",
+    "compute_gdpo_outcome_advantage",
+    "compute_gpg_outcome_advantage",
+    "compute_grpo_outcome_advantage",
+    "compute_grpo_passk_outcome_advantage",
+    "compute_grpo_vectorized_outcome_advantage",
+    "compute_multi_turn_optimal_token_baseline_advantage",
+    "compute_opo_outcome_advantage",
+    "compute_optimal_token_baseline_advantage",
+    "compute_policy_loss_bypass_mode",
+    "compute_policy_loss_cispo",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_dppo_kl",
+    "compute_policy_loss_dppo_tv",
+    "compute_policy_loss_dro",
+    "compute_policy_loss_geo_mean",
+    "compute_policy_loss_gpg",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_kl_cov",
+    "compute_policy_loss_reinforce",
+    "compute_policy_loss_sapo",
+    "compute_policy_loss_vanilla",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_remax_outcome_advantage",
+    "compute_rloo_outcome_advantage",
+    "compute_rloo_vectorized_outcome_advantage",
+    "compute_rollout_correction_and_rejection_mask",
     "compute_value_loss",
     "entropy_from_logits",
     "get_adv_estimator_fn",
     "get_kl_controller",
     "get_policy_loss_fn",
     "kl_penalty",
+    "logprobs_from_logits",
     "masked_mean",
+    "masked_sum",
+    "masked_var",
     "masked_whiten",
 ]

@@ -7,9 +7,36 @@ from typing import Any
 
 import torch
 
+from polyrl.algorithms.torch_functional import (
+    entropy_from_logits,
+    masked_mean,
+    masked_select_zero,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
 from polyrl.protocols import LossScale
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+__all__ = [
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "agg_loss",
+    "apply_kl_penalty",
+    "compute_entropy_loss",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "get_kl_controller",
+    "kl_penalty",
+    "kl_penalty_forward",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+]
+
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
@@ -46,56 +73,59 @@ def check_nonempty_mask(name: str, mask: torch.Tensor) -> None:
         raise ValueError(f"{name} is all zero: no response token to compute on (check how {name} was built)")
 
 
-def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Sum of ``values`` where ``mask`` is set."""
-    return (values * mask).sum() if dim is None else (values * mask).sum(dim)
+def resolve_loss_scale(loss_scale: LossScale | None = None, dp_size: int | None = None,
+                       batch_num_tokens: int | float | torch.Tensor | None = None,
+                       global_batch_size: int | float | torch.Tensor | None = None) -> LossScale | None:
+    """One :class:`LossScale` from polyrl's ``loss_scale`` or verl's ``dp_size``/``batch_num_tokens``/
+    ``global_batch_size`` keywords (verl's ``**config.global_batch_info``); both spellings at once must agree."""
+    verl_given = dp_size is not None or batch_num_tokens is not None or global_batch_size is not None
+    if not verl_given:
+        return loss_scale
+    verl_scale = LossScale(dp_size=int(dp_size) if dp_size is not None else 1,
+                           batch_num_tokens=_as_count(batch_num_tokens),
+                           global_batch_size=_as_count(global_batch_size))
+    if loss_scale is not None and loss_scale != verl_scale:
+        raise ValueError(f"loss_scale={loss_scale} and dp_size/batch_num_tokens/global_batch_size={verl_scale} "
+                         "disagree; pass one of the two spellings")
+    return verl_scale
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of ``values`` where ``mask`` is set; 0 (not NaN) for an empty mask."""
-    total = mask.sum() if dim is None else mask.sum(dim)
-    return masked_sum(values, mask, dim) / total.clamp(min=1)
+def _as_count(value: int | float | torch.Tensor | None) -> int | None:
+    if value is None:
+        return None
+    return int(value.item()) if isinstance(value, torch.Tensor) else int(value)
 
 
-def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance over the masked entries, Bessel-corrected like verl (no correction for a single entry)."""
-    mean = masked_mean(values, mask)
-    var = masked_mean((values - mean) ** 2, mask)
-    count = mask.sum()
-    if unbiased and count > 1:
-        var = var * count / (count - 1)
-    return var
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
+             dp_size: int | None = None, batch_num_tokens: int | None = None, global_batch_size: int | None = None,
+             loss_scale_factor: float | None = None, *, loss_scale: LossScale | None = None) -> torch.Tensor:
+    """Aggregate a ``[B, R]`` loss matrix to a scalar (verl's ``agg_loss``, same arguments).
 
-
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """Normalise to zero mean and unit variance over the masked entries (``rsqrt(var + 1e-8)``, as verl)."""
-    mean, var = masked_mean(values, mask), masked_var(values, mask)
-    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
-    return whitened if shift_mean else whitened + mean
-
-
-def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str = "token-mean", *,
-             loss_scale: LossScale | None = None, loss_scale_factor: float | None = None) -> torch.Tensor:
-    """Aggregate a ``[B, R]`` loss matrix to a scalar (verl's ``agg_loss``).
-
-    Without ``loss_scale`` the normalisers are local: ``token-mean`` divides by the
+    Without global counts the normalisers are local: ``token-mean`` divides by the
     number of masked tokens, ``seq-mean-*`` by the number of sequences that have at
-    least one token. With ``loss_scale`` they are the mini-batch's global counts
-    (``batch_num_tokens`` tokens, ``global_batch_size`` sequences) times
-    ``dp_size``, so the sum of micro-batch losses is exactly the mini-batch loss
-    and averaging gradients over data-parallel ranks stays exact.
+    least one token. With them (verl's ``dp_size``, ``batch_num_tokens``,
+    ``global_batch_size`` keywords, or polyrl's ``loss_scale``) they are the
+    mini-batch's global counts times ``dp_size``, so the sum of micro-batch losses is
+    exactly the mini-batch loss and averaging gradients over data-parallel ranks
+    stays exact. ``token-sum`` is the plain masked sum (times ``dp_size``).
     ``seq-mean-token-sum-norm`` divides each sequence's token sum by
     ``loss_scale_factor`` (a constant such as the maximum response length;
-    default ``R``, the width of ``loss_mat``).
+    default ``R``, the width of ``loss_mat``). Padding (``loss_mask == 0``) never
+    reaches the result, even when ``loss_mat`` holds NaN there.
     """
     check_same_shape(loss_mat=loss_mat, loss_mask=loss_mask)
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is unknown; choose from {', '.join(LOSS_AGG_MODES)}")
+    scale = resolve_loss_scale(loss_scale, dp_size, batch_num_tokens, global_batch_size)
     mask = loss_mask.to(loss_mat.dtype)
-    dp = loss_scale.dp_size if loss_scale is not None else 1
+    dp = scale.dp_size if scale is not None else 1
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, mask) * dp
     if loss_agg_mode == "token-mean":
-        tokens = loss_scale.batch_num_tokens if loss_scale is not None else None
+        tokens = scale.batch_num_tokens if scale is not None else None
         if tokens is None:
+            if dp > 1:
+                raise ValueError("agg_loss: batch_num_tokens (the global token count) is required when dp_size > 1")
             return masked_sum(loss_mat, mask) / mask.sum().clamp(min=1)
         if tokens <= 0:
             raise ValueError(f"loss_scale.batch_num_tokens={tokens}: the mini-batch has no response token")
@@ -107,13 +137,15 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
         per_seq = token_sum / mask.sum(-1).clamp(min=1)
     else:  # seq-mean-token-sum-norm (Dr.GRPO): a constant normaliser, not the sample's own length
         per_seq = token_sum / (loss_scale_factor or loss_mat.shape[-1])
-    seqs = loss_scale.global_batch_size if loss_scale is not None else None
+    valid = mask.sum(-1) > 0  # an all-masked row is padding, not a sequence
+    seqs = scale.global_batch_size if scale is not None else None
     if seqs is None:
-        valid = (mask.sum(-1) > 0).to(loss_mat.dtype)  # an all-masked row is padding, not a sequence
-        return (per_seq * valid).sum() / valid.sum().clamp(min=1)
+        if dp > 1:
+            raise ValueError("agg_loss: global_batch_size is required when dp_size > 1")
+        return masked_select_zero(per_seq, valid).sum() / valid.sum().clamp(min=1)
     if seqs <= 0:
         raise ValueError(f"loss_scale.global_batch_size={seqs}: the mini-batch has no sequence")
-    return per_seq.sum() / seqs * dp
+    return masked_select_zero(per_seq, valid).sum() / seqs * dp
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str = "kl") -> torch.Tensor:
@@ -154,30 +186,40 @@ def kl_penalty_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: s
                      "optionally with a '+' suffix (straight-through k2 gradient)")
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the categorical distribution over the last dimension (computed in float32)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
-                       cliprange_value: float, loss_agg_mode: str = "token-mean", *,
-                       loss_scale: LossScale | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                       cliprange_value: float, loss_agg_mode: str = "token-mean", dp_size: int | None = None,
+                       batch_num_tokens: int | None = None, global_batch_size: int | None = None,
+                       loss_scale_factor: float | None = None, *, loss_scale: LossScale | None = None,
+                       ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped value loss ``0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2)``, aggregated.
 
+    Takes verl's arguments (``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
+    ``loss_scale_factor``, forwarded to :func:`agg_loss`) or polyrl's ``loss_scale``.
     Returns the loss and metrics ``critic/vf_clipfrac`` (fraction of tokens where
-    the clipped term is larger) and ``critic/vpred_mean``.
+    the clipped term is larger) and ``critic/vpred_mean`` (verl returns the clip
+    fraction alone as its second value).
     """
     check_same_shape(vpreds=vpreds, returns=returns, values=values, response_mask=response_mask)
-    if loss_scale is None:
+    scale = resolve_loss_scale(loss_scale, dp_size, batch_num_tokens, global_batch_size)
+    if scale is None:
         check_nonempty_mask("response_mask", response_mask)
     check_finite("returns", returns, response_mask)
+    valid = response_mask != 0
+    vpreds = masked_select_zero(vpreds, valid)  # padding keeps no NaN that could reach the gradient
+    returns, values = masked_select_zero(returns, valid), masked_select_zero(values, valid)
     clipped = values + (vpreds - values).clamp(-cliprange_value, cliprange_value)
     loss1, loss2 = (vpreds - returns).square(), (clipped - returns).square()
-    loss = 0.5 * agg_loss(torch.maximum(loss1, loss2), response_mask, loss_agg_mode, loss_scale=loss_scale)
+    loss = 0.5 * agg_loss(torch.maximum(loss1, loss2), response_mask, loss_agg_mode,
+                          loss_scale_factor=loss_scale_factor, loss_scale=scale)
     clipfrac = masked_mean((loss2 > loss1).float(), response_mask)
     return loss, {"critic/vf_clipfrac": float(clipfrac),
                   "critic/vpred_mean": float(masked_mean(vpreds.detach(), response_mask))}
+
+
+def compute_entropy_loss(logits: torch.Tensor, response_mask: torch.Tensor,
+                         loss_agg_mode: str = "token-mean") -> torch.Tensor:
+    """The entropy of ``logits`` (``[B, R, V]``), aggregated over the response tokens (verl's helper)."""
+    return agg_loss(entropy_from_logits(logits), response_mask, loss_agg_mode)
 
 
 class FixedKLController:
@@ -228,10 +270,10 @@ def apply_kl_penalty(token_level_scores: torch.Tensor, old_log_prob: torch.Tenso
     """
     check_same_shape(token_level_scores=token_level_scores, old_log_prob=old_log_prob, ref_log_prob=ref_log_prob,
                      response_mask=response_mask)
-    check_finite("token_level_scores", token_level_scores)
+    check_finite("token_level_scores", token_level_scores, response_mask)
     mask = response_mask.to(old_log_prob.dtype)
-    kld = _kl_estimate(old_log_prob, ref_log_prob, kl_penalty) * mask
+    kld = masked_select_zero(_kl_estimate(old_log_prob, ref_log_prob, kl_penalty), mask)
     beta = kl_ctrl.value
-    rewards = token_level_scores - beta * kld
+    rewards = masked_select_zero(token_level_scores, torch.isfinite(token_level_scores)) - beta * kld
     current = float(masked_mean(kld, mask, -1).mean())
     return rewards, {"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": float(beta)}

@@ -22,9 +22,15 @@ _ESTIMATORS = {
     "remax": "compute_remax_outcome_advantage",
     "opo": "compute_opo_outcome_advantage",
     "gpg": "compute_gpg_outcome_advantage",
+    "grpo_vectorized": "compute_grpo_vectorized_outcome_advantage",
+    "rloo_vectorized": "compute_rloo_vectorized_outcome_advantage",
+    "gdpo": "compute_gdpo_outcome_advantage",
+    "optimal_token_baseline": "compute_optimal_token_baseline_advantage",
+    "tir_optimal_token_baseline": "compute_multi_turn_optimal_token_baseline_advantage",
 }
 #: loss_mode names; each is polyrl.algorithms.policy_losses:compute_policy_loss_<name>
-_LOSSES = ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "cispo", "sapo", "geo_mean")
+_LOSSES = ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "cispo", "sapo", "geo_mean", "dro", "dppo_tv", "dppo_kl",
+           "bypass_mode")
 
 
 @hookimpl

@@ -26,6 +26,10 @@ _PLUGIN_BLOCKS = {"actor": ("engine", "engine"), "critic": ("engine", "engine"),
                   "rollout": ("name", "rollout")}
 
 
+#: Schema fields the loader fills itself; never suggested or listed to a user.
+_INTERNAL_KEYS = frozenset({"plugin_config"})
+
+
 def read_sources(files: Sequence[str | Path], overrides: Sequence[str]) -> tuple[dict, dict[str, str]]:
     """Merge YAML ``files`` and dotlist ``overrides`` into one dict; return it and key origins."""
     merged: dict = {}
@@ -43,6 +47,7 @@ def read_sources(files: Sequence[str | Path], overrides: Sequence[str]) -> tuple
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         _deep_merge(merged, data, origins, str(path))
+        origins.update({key: f"{path} line {line}" for key, line in _key_lines(path).items()})
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"command-line override '{item}' must look like key=value")
@@ -52,6 +57,27 @@ def read_sources(files: Sequence[str | Path], overrides: Sequence[str]) -> tuple
             raise ConfigError(f"command-line override '{item}' is malformed: {exc}") from None
         _deep_merge(merged, data, origins, f"command line '{item}'")
     return merged, origins
+
+
+def _key_lines(path: Path) -> dict[str, int]:
+    """The 1-based line of each dotted key of a YAML file (for error messages); empty if it cannot be parsed."""
+    import yaml
+
+    try:
+        root = yaml.compose(path.read_text())
+    except Exception:
+        return {}
+    lines: dict[str, int] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                key = f"{prefix}{key_node.value}"
+                lines[key] = key_node.start_mark.line + 1
+                walk(value_node, key + ".")
+
+    walk(root, "")
+    return lines
 
 
 def _deep_merge(dst: dict, src: Mapping, origins: dict[str, str], origin: str, prefix: str = "") -> None:
@@ -106,7 +132,7 @@ def _is_free_mapping(tp: Any) -> bool:
 def check_keys(schema: type, data: Mapping, origins: Mapping[str, str], prefix: str = "") -> None:
     """Raise ``ConfigError`` for the first key of ``data`` that ``schema`` does not define."""
     hints = typing.get_type_hints(schema)
-    names = [f.name for f in dataclasses.fields(schema)]
+    names = [f.name for f in dataclasses.fields(schema) if f.name not in _INTERNAL_KEYS]
     for key, value in data.items():
         path = f"{prefix}{key}"
         if key not in hints:
@@ -130,6 +156,8 @@ def build(schema: type, data: Mapping, origins: Mapping[str, str], prefix: str =
     except OmegaConfBaseException as exc:
         key = f"{prefix}{exc.full_key}" if getattr(exc, "full_key", None) else prefix.rstrip(".")
         msg = str(exc).splitlines()[0]
+        if "is not a ListConfig" in msg:
+            msg = f"expects a list, got a single value: write [value] (on the command line: {key}=[a,b])"
         raise ConfigError(f"config key '{key}' (from {_where(origins, key)}): {msg}") from None
     return obj
 
@@ -163,9 +191,38 @@ def from_dict(schema: type, raw: Mapping, origins: Mapping[str, str] | None = No
     _share_model_block(schema, raw)
     plugin_blocks = _pop_plugin_blocks(schema, raw)
     config = build(schema, raw, origins)
+    check_values(config, origins)
     for section, (name, block) in plugin_blocks.items():
         getattr(config, section).plugin_config = _plugin_config(section, name, block, origins, plugins)
     return config
+
+
+def check_values(config: Any, origins: Mapping[str, str] | None = None) -> None:
+    """Raise ``ConfigError`` naming the key and its source for a value outside its range
+    (:data:`polyrl.config.schema.VALUE_RULES`), or a run that would train nothing."""
+    from polyrl.config.schema import VALUE_RULES
+
+    origins = origins or {}
+    for key, rule in VALUE_RULES.items():
+        obj: Any = config
+        for part in key.split("."):
+            obj = getattr(obj, part, _MISSING)
+            if obj is _MISSING:
+                break
+        if obj is _MISSING or obj is None:
+            continue
+        bad = obj <= 0 if rule == "> 0" else obj < 0
+        if bad:
+            need = "a positive number" if rule == "> 0" else "zero or more"
+            raise ConfigError(f"config key '{key}' (from {_where(origins, key)}): {obj} is not allowed; it must be {need}")
+    trainer = getattr(config, "trainer", None)
+    if trainer is not None and trainer.total_steps == 0 and trainer.total_epochs == 0:
+        raise ConfigError(f"config keys 'trainer.total_steps' and 'trainer.total_epochs' (from "
+                          f"{_where(origins, 'trainer.total_epochs')}) are both 0: the run would train nothing; "
+                          "set one of them")
+
+
+_MISSING = object()
 
 
 def _share_model_block(schema: type, raw: dict) -> None:

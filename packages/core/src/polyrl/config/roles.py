@@ -58,17 +58,28 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with warmup and a constant or cosine schedule."""
+    """AdamW with linear warmup and a learning-rate schedule by transformers' name (:mod:`polyrl.lr_schedules`)."""
 
     lr: float = 1e-6
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
-    warmup_steps: int = 0
-    #: Used when ``warmup_steps`` is 0: a fraction of ``total_steps``.
-    warmup_ratio: float = 0.0
-    lr_scheduler: str = "constant"  # constant | cosine
+    #: The LR schedule, by transformers' name: constant, linear, cosine, cosine_with_restarts, polynomial,
+    #: inverse_sqrt, warmup_stable_decay, ... (``constant`` and ``cosine`` warm up; ``cosine`` ends at ``min_lr_ratio``).
+    lr_scheduler_type: str = "constant"
+    #: verl's older name for ``lr_scheduler_type``; wins when set.
+    warmup_style: str | None = None
+    #: Linear warmup steps; negative: ``lr_warmup_steps_ratio`` of ``total_steps``.
+    lr_warmup_steps: int = -1
+    #: Warmup as a fraction of ``total_steps`` (used when ``lr_warmup_steps`` is negative).
+    lr_warmup_steps_ratio: float = 0.0
+    #: The final LR as a fraction of ``lr`` (cosine, polynomial, warmup_stable_decay).
     min_lr_ratio: float = 0.0
+    #: Cosine waves: ``null`` = the schedule's default (0.5 for ``cosine``, 1 for ``cosine_with_restarts``).
+    num_cycles: float | None = None
+    #: Further arguments of the transformers schedule (``power`` of polynomial, ``num_decay_steps`` of
+    #: warmup_stable_decay, ...).
+    lr_scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
     #: Optimizer steps of the whole run; the trainer fills it in.
     total_steps: int = 0
     grad_clip: float = 1.0
@@ -116,6 +127,8 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     #: Sequences generated together by a batch rollout (``hf``).
     max_batch_size: int = 64
+    #: Devices one rollout engine shards the model over (a replica of this many workers on one node; must
+    #: divide the rollout workers). >1 needs a rollout that supports it (``vllm``, ``sglang``).
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5
     #: Release memory around generation when colocated with training (``sleep``/``wake_up``).

@@ -48,8 +48,13 @@ class PolicyLossConfig:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
-    #: Truncated importance sampling against the rollout's own log-probs (0 disables).
+    #: Truncated importance sampling against the rollout's own log-probs (0 disables). Kept for old configs:
+    #: it means ``algorithm.rollout_correction.rollout_is: token`` with ``rollout_is_threshold`` = this cap.
     tis_imp_ratio_cap: float = 0.0
+    #: DRO's quadratic log-ratio penalty (``loss_mode: dro``; must be > 0 then).
+    dro_beta: float | None = None
+    #: Filled by the trainer from ``algorithm.rollout_correction`` (the ``bypass_mode`` loss reads it here, as in verl).
+    rollout_correction: dict[str, Any] = field(default_factory=dict)
     #: SAPO temperatures / GSPO etc. read extra fields from here.
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -126,6 +131,27 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl's ``algorithm.rollout_correction``: weights / rejection for the rollout-vs-trainer log-prob gap
+    (docs/algorithms.md, "Rollout correction")."""
+
+    #: ``token``, ``sequence`` or null (no importance weights).
+    rollout_is: str | None = None
+    #: A number (TIS cap) or ``"lower_upper"`` (IcePop: weights outside the bounds become 0).
+    rollout_is_threshold: Any = 2.0
+    #: Divide the weights by their batch mean.
+    rollout_is_batch_normalize: bool = False
+    #: Rejection sampling criteria, comma-separated (``token_k1``, ``seq_mean_k3``, ...), or null.
+    rollout_rs: str | None = None
+    #: One threshold, or one per ``rollout_rs`` criterion (comma-separated; ``k1``: ``"lower_upper"``).
+    rollout_rs_threshold: Any = None
+    #: Use the rollout's log-probs as the old ones (no old-log-prob pass) with the ``bypass_mode`` loss.
+    bypass_mode: bool = False
+    #: Loss in bypass mode: ``ppo_clip`` or ``reinforce``.
+    loss_type: str = "ppo_clip"
+
+
+@dataclass
 class AlgorithmConfig:
     """How advantages and KL are computed (verl's ``algorithm`` block)."""
 
@@ -137,8 +163,40 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    #: GDPO: the reward components (keys of the reward function's dict) normalised one by one, and their weights.
+    gdpo_reward_keys: list[str] = field(default_factory=list)
+    gdpo_reward_weights: list[float] | None = None
     #: Extra estimator arguments (``pass_k`` for grpo_passk, ...).
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AgentConfig:
+    """Agent loops and their tools (docs/agents.md): the ``agent:`` block, given to every agent loop."""
+
+    #: The loop of a row without ``agent_name`` (``single_turn``, ``tool_agent``, a plugin's).
+    default_loop: str = "single_turn"
+    #: Tools the loops may call: registry names, import strings (``pkg.mod:fn``) or ``{name: ..., <options>}``.
+    tools: list[Any] = field(default_factory=list)
+    #: How ``tool_agent`` finds calls in a turn: ``hermes``, ``qwen3_coder``, ``llama3_json`` or a plugin's parser.
+    tool_parser: str = "hermes"
+    #: Most assistant turns per trajectory (the last may still call tools; it then ends with ``max_turns``).
+    max_turns: int = 4
+    #: Most tool calls run per turn (extra calls get an error message).
+    max_parallel_calls: int = 4
+    #: Most tokens per assistant turn (0: whatever is left of ``data.max_response_length``).
+    max_new_tokens_per_turn: int = 0
+    #: A tool message longer than this many characters is cut (its middle replaced by ``...``).
+    max_tool_response_length: int = 512
+    #: Seconds a tool call may take before it becomes a "timed out" tool error.
+    tool_timeout_s: float = 30.0
+    #: Render the prompt with the allowed tools' schemas (``apply_chat_template(tools=...)``).
+    tools_in_prompt: bool = True
+    #: How tools' ``ToolResult.reward`` joins the sample's reward: ``sum`` (added to the final score), ``none``.
+    tool_reward: str = "sum"
+    #: Factor on the summed tool rewards.
+    tool_reward_coef: float = 1.0
 
 
 @dataclass
@@ -164,15 +222,23 @@ class TrainerSection:
     device: str = "auto"
     #: CPUs Ray may use on this machine (0: all).
     ray_num_cpus: int = 0
-    #: Validate every N steps (0: never) and before training.
+    #: Join this Ray cluster (``ray://host:10001``, ``host:6379`` or ``auto``) instead of starting a local Ray
+    #: bound to loopback; see docs/security.md.
+    ray_address: str = ""
+    #: Validate every N steps (0: never) and at the last step; pass@k of validation uses ``rollout.val_n``
+    #: samples, mean@1 the first.
     test_freq: int = 0
+    #: Validate once before the first step (not on resume).
     val_before_train: bool = True
-    #: pass@k of validation uses ``rollout.val_n`` samples; mean@1 uses the first.
-    save_freq: int = 0
+    #: Checkpoint every N steps and at the last step (0: never), so an interrupted run resumes.
+    save_freq: int = 100
     #: Keep only the newest N checkpoints (0: keep all).
     max_checkpoints: int = 2
-    #: ``auto`` (continue from the newest checkpoint in run_dir), ``disable``, or a checkpoint path.
+    #: ``auto`` (continue from the newest complete checkpoint in run_dir), ``disable``, or a checkpoint path.
     resume: str = "auto"
+    #: Config keys (or their parents, e.g. ``actor.optim``) that may differ from the checkpoint's on resume;
+    #: the new values apply from the resumed step on. Any other difference is refused.
+    resume_override: list[str] = field(default_factory=list)
     #: ``console``, ``jsonl``, ``tensorboard``, ``wandb``, ``mlflow``.
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     progress_bar: bool = True
@@ -196,6 +262,7 @@ class PolyrlConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     trainer: TrainerSection = field(default_factory=TrainerSection)
 
 
@@ -207,13 +274,31 @@ class SFTConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor: EngineRoleConfig = field(default_factory=EngineRoleConfig)
     trainer: TrainerSection = field(default_factory=TrainerSection)
-    #: Optimizer steps per epoch are ``len(data) // data.train_batch_size``.
     #: Key of the response text in a row (or use the last assistant message of ``messages``).
+    #: Optimizer steps per epoch are ``len(data) // data.train_batch_size``.
     response_key: str = "response"
+
+
+#: Value rules checked when a config is loaded (``polyrl.config.loader``): key -> ``"> 0"`` or ``">= 0"``.
+#: A key a schema does not have (``rollout.n`` in ``polyrl sft``) is skipped.
+VALUE_RULES: dict[str, str] = {
+    "data.train_batch_size": "> 0", "data.val_batch_size": ">= 0", "data.max_prompt_length": "> 0",
+    "data.max_response_length": "> 0", "data.val_max_samples": ">= 0",
+    "actor.ppo_mini_batch_size": "> 0", "actor.ppo_epochs": "> 0", "actor.micro_batch_size": "> 0",
+    "actor.optim.lr": ">= 0",
+    "critic.ppo_mini_batch_size": "> 0", "critic.ppo_epochs": "> 0", "critic.micro_batch_size": "> 0",
+    "ref.micro_batch_size": "> 0",
+    "rollout.n": "> 0", "rollout.val_n": "> 0",
+    "reward.timeout_s": ">= 0", "reward.num_workers": ">= 0",
+    "trainer.total_steps": ">= 0", "trainer.total_epochs": ">= 0", "trainer.n_workers": "> 0",
+    "trainer.rollout_workers": "> 0", "trainer.test_freq": ">= 0", "trainer.save_freq": ">= 0",
+    "trainer.max_checkpoints": ">= 0", "trainer.ray_num_cpus": ">= 0",
+}
 
 
 __all__ = [
     "ActorConfig",
+    "AgentConfig",
     "AlgorithmConfig",
     "CriticConfig",
     "DataConfig",

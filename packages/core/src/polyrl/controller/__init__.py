@@ -7,6 +7,27 @@ every rank) and :meth:`~WorkerGroup.dispatch` (split a batch by data-parallel
 rank, run, concatenate the results).
 """
 
-from polyrl.controller.worker_group import LocalWorkerGroup, RayWorkerGroup, WorkerGroup
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from polyrl.controller.worker_group import LocalWorkerGroup, RayWorkerGroup, WorkerGroup
+
+# Imported on first use (PEP 562), so that loading the hooks module next to this package
+# (``polyrl plugins``) does not import torch.
+_EXPORTS = {
+    "LocalWorkerGroup": "polyrl.controller.worker_group",
+    "RayWorkerGroup": "polyrl.controller.worker_group",
+    "WorkerGroup": "polyrl.controller.worker_group",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["LocalWorkerGroup", "RayWorkerGroup", "WorkerGroup"]

@@ -10,6 +10,8 @@ torch.distributed group with its platform's backend.
 
 from __future__ import annotations
 
+import logging
+import os
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +20,8 @@ from tensordict import TensorDict
 
 from polyrl.manifest import Manifest
 from polyrl.protocols import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class Worker:
@@ -39,14 +43,19 @@ class Worker:
 
         from polyrl import plugins
         from polyrl.controller.distributed import init_distributed
-        from polyrl.platforms import detect_platform, get_platform
+        from polyrl.logs import setup_run_logging
+        from polyrl.platforms import setup_worker_device
 
+        if getattr(config.trainer, "run_dir", None):  # this process's records join RUN_DIR/train.log
+            setup_run_logging(config.trainer.run_dir, tag=f"worker rank {rank}", console_level=logging.WARNING)
         self.rank, self.world_size, self.config, self.roles = rank, world_size, config, set(roles)
         self.pm = plugins.activate(manifest) if manifest is not None else plugins.get_plugin_manager()
-        device = config.trainer.device
-        self.platform = detect_platform(self.pm) if device == "auto" else get_platform(device, self.pm)
-        self.platform.apply_patches()
-        self.platform.set_device(rank)
+        # LOCAL_RANK: this worker's position on its node, set by the worker group (equals rank on one node).
+        self.local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        self.platform, self.device_index = setup_worker_device(config.trainer.device, self.pm,
+                                                               local_rank=self.local_rank)
+        logger.debug("worker rank %d of %d (pid %d): roles %s, platform %s, device index %s", rank, world_size,
+                     os.getpid(), sorted(self.roles), self.platform.name, self.device_index)
         if world_size > 1 or "actor" in self.roles or "critic" in self.roles:
             init_distributed(self.platform.dist_backend, rank, world_size, master_addr, master_port)
         seed = config.trainer.seed + rank
@@ -55,7 +64,10 @@ class Worker:
 
         from transformers import AutoTokenizer
 
+        from polyrl.models.paths import check_model_paths
+
         model_cfg = config.actor.model
+        check_model_paths(model_cfg, "actor.model")  # a clear error, not transformers' retries on an unreachable Hub
         self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer_path or model_cfg.path)
         self.actor = self.ref = self.critic = self.rollout = None
         if role_kind == "sft":
@@ -67,10 +79,14 @@ class Worker:
             self.ref = self._build_engine("ref", self._ref_role_config(), "causal_lm")
         if "critic" in self.roles:
             self.critic = self._build_engine("critic", config.critic, "value")
-        if "rollout" in self.roles:
-            self._build_rollout()
+        self.replica_leader = True  # tp=1: every rank is its own replica
+        if "rollout" in self.roles and self.config.rollout.tensor_parallel_size == 1:
+            self._build_rollout()  # tp > 1: the driver calls build_rollout_replica once it planned replicas
 
     # ------------------------------------------------------------------ construction
+    def __repr__(self) -> str:  # Ray puts this in errors raised here, so the driver can name the rank
+        return f"Worker(rank={self.rank}, world_size={self.world_size})"
+
     def ready(self) -> bool:
         """Returns once the constructor finished (the driver waits on it)."""
         return True
@@ -99,27 +115,69 @@ class Worker:
         factory = self.pm.get("rollout", rcfg.name)
         model_path = self.config.actor.model.path
         self.rollout = factory(rcfg, model_path=model_path, tokenizer=self.tokenizer, platform=self.platform)
+        from polyrl.config.schema import AgentConfig
+        from polyrl.tools import build_tools
+
+        # every loop gets the run's `agent` block and the tools it lists; a row's agent_name picks the loop
+        self.agent_config = getattr(self.config, "agent", None) or AgentConfig()
+        tools = build_tools(self.agent_config.tools, self.pm)
         loops = {}
         for entry in self.pm.registry("agent_loop").entries():
-            loops[entry.name] = entry.load()(tokenizer=self.tokenizer, config=rcfg, tools=None)
+            loops[entry.name] = entry.load()(tokenizer=self.tokenizer, config=self.agent_config, tools=tools)
         self.agent_loops = loops
         self.client = (
             self.rollout if self.rollout.capabilities.async_generate
             else BatchingClient(self.rollout, max_batch_size=rcfg.max_batch_size)
         )
 
+    def rollout_device_ids(self) -> list[str]:
+        """The accelerator ids Ray assigned to this worker (``[]`` on CPU or outside Ray)."""
+        from polyrl.platforms.placement import ray_accelerator_ids
+
+        return ray_accelerator_ids(self.platform.ray_resource)
+
+    def build_rollout_replica(self, leader: bool, device_ids: Sequence[str]) -> None:
+        """Tensor-parallel rollout (``rollout.tensor_parallel_size > 1``): the replica's leader builds the
+        engine over ``device_ids`` (every device of its replica, made visible to the processes the engine
+        starts); the other ranks of the replica lend their device and hold no rollout."""
+        self.replica_leader = leader
+        if not leader:
+            return
+        var = self.platform.visible_devices_env
+        if var and device_ids:
+            os.environ[var] = ",".join(device_ids)
+        self._build_rollout()
+        if not self.rollout.capabilities.tensor_parallel:
+            from polyrl.errors import ConfigError
+
+            name = self.config.rollout.name
+            self.close()
+            raise ConfigError(f"rollout.tensor_parallel_size={self.config.rollout.tensor_parallel_size}: rollout "
+                              f"'{name}' does not shard a model over devices. Set rollout.tensor_parallel_size=1, or "
+                              "use a rollout that does (rollout.name=vllm or sglang)")
+
     # ------------------------------------------------------------------ generation
-    def generate(self, samples: list[dict], sampling: SamplingParams, *, validate: bool = False) -> TensorDict:
-        """Run the agent loops on ``samples`` (already repeated ``n`` times) and collate a batch."""
+    def generate(self, samples: list[dict], sampling: SamplingParams, *, validate: bool = False) -> TensorDict | None:
+        """Run the agent loops on ``samples`` (already repeated ``n`` times) and collate a batch.
+
+        A rank that lends its device to another rank's tensor-parallel replica frees its training memory
+        and waits (a barrier) until every replica has generated; it returns ``None``.
+        """
         from polyrl.agent_loops import collate, run_agent_loops
 
+        if not self.replica_leader:
+            self._lend_device_during_generation(validate)
+            return None
         if self.actor is not None and not validate:
             self.actor.offload()
         try:
-            outputs = run_agent_loops(samples, sampling, self.client, self.agent_loops)
+            outputs = run_agent_loops(samples, sampling, self.client, self.agent_loops,
+                                      default=self.agent_config.default_loop)
         finally:
             if self.actor is not None and not validate:
                 self.actor.onload()
+            if self.config.rollout.tensor_parallel_size > 1:
+                _barrier()  # the ranks that lent their device may take it back (also when generation failed)
         data = self.config.data
         return collate(
             outputs,
@@ -133,10 +191,14 @@ class Worker:
         import time
 
         start = time.perf_counter()
-        self.rollout.wake_up()
+        if self.rollout is not None:
+            self.rollout.wake_up()
         count = 0
+        # every actor rank iterates (the gather is collective); a rank lending its device to a
+        # tensor-parallel replica has no rollout: its replica's leader forwards the weights to every TP rank
         for bucket in self.actor.weights_for_rollout(self.config.trainer.weight_bucket_mb << 20):
-            self.rollout.update_weights(bucket)
+            if self.rollout is not None:
+                self.rollout.update_weights(bucket)
             count += len(bucket)
         return {"timing/weight_sync": time.perf_counter() - start, "weight_sync/tensors": float(count)}
 
@@ -149,13 +211,17 @@ class Worker:
         return buckets if self.rank == 0 else None
 
     def load_rollout_weights(self, buckets: list[list[tuple[str, Any]]]) -> None:
-        """Split placement: load buckets gathered from the actor group."""
+        """Split placement: load buckets gathered from the actor group (on a replica's leader)."""
+        if self.rollout is None:
+            return
         self.rollout.wake_up()
         for bucket in buckets:
             self.rollout.update_weights(bucket)
 
     def sleep_rollout(self) -> None:
         """Release the rollout's accelerator memory before training (colocated)."""
+        if self.rollout is None:
+            return
         if self.config.rollout.free_cache_engine and self.rollout.capabilities.sleep:
             self.rollout.sleep(1)
 
@@ -224,12 +290,37 @@ class Worker:
         """Write the actor as an HF folder."""
         self.actor.export_hf(path)
 
+    def _lend_device_during_generation(self, validate: bool) -> None:
+        """A rank of a tensor-parallel replica that is not its leader: free the training memory on the
+        device the replica's engine uses until every replica finished generating (the leaders' barrier)."""
+        if self.actor is not None and not validate:
+            self.actor.offload()
+        try:
+            _barrier()
+        finally:
+            if self.actor is not None and not validate:
+                self.actor.onload()
+
     def close(self) -> None:
-        """Leave the process group."""
+        """Stop the rollout engine (``Rollout.shutdown``), then leave the process group."""
         import torch.distributed as dist
 
+        rollout, self.rollout = getattr(self, "rollout", None), None
+        shutdown = getattr(rollout, "shutdown", None)  # rollouts written before shutdown() joined the protocol
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception:  # teardown goes on: the process group must still be left
+                logger.exception("rank %d: rollout shutdown failed", self.rank)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def _run_epochs(engine: Any, batch: TensorDict, rows: int, epochs: int, loss_fn: Any, shuffle: bool, seed: int) -> dict:

@@ -9,12 +9,15 @@ from typing import Any, Protocol
 from tensordict import TensorDict
 
 from polyrl import batch as batch_ops
+from polyrl.platforms.placement import node_local_ranks
 
 
 class WorkerGroup(Protocol):
     """``world_size`` ranks of one worker class."""
 
     world_size: int
+    #: The node of each rank, in rank order.
+    node_ids: list[str]
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method`` on every rank with the same arguments; results in rank order."""
@@ -46,6 +49,8 @@ class LocalWorkerGroup:
     """One rank in the driver's own process (``trainer.executor=local``): step through it in a debugger."""
 
     world_size = 1
+    #: The node of each rank (one, this process's).
+    node_ids: list[str] = [""]
 
     def __init__(self, worker_cls: type, **init_kwargs: Any) -> None:
         self.worker = worker_cls(rank=0, world_size=1, **init_kwargs)
@@ -63,6 +68,14 @@ class LocalWorkerGroup:
         close = getattr(self.worker, "close", None)
         if close is not None:
             close()
+
+
+def _bundle_nodes(placement_group: Any, count: int) -> list[str]:
+    """The node id of each bundle of a ready placement group (bundle order = rank order)."""
+    from ray.util.placement_group import placement_group_table
+
+    table = placement_group_table(placement_group).get("bundles_to_node_id", {})
+    return [str(table.get(i, "")) for i in range(count)]
 
 
 class RayWorkerGroup:
@@ -87,11 +100,14 @@ class RayWorkerGroup:
         self.placement_group = placement_group([bundle] * world_size, strategy="PACK", name=f"polyrl-{name}")
         ray.get(self.placement_group.ready(), timeout=600)
         env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+        # Each worker learns its position on its node as LOCAL_RANK (torchrun's convention); the platform
+        # binds the device from it and from the device ids Ray assigned (polyrl.platforms.placement).
+        nodes = _bundle_nodes(self.placement_group, world_size)
+        #: The Ray node id of each rank (rollout replicas must not span nodes: polyrl.rollout.replicas).
+        self.node_ids = nodes
+        self.local_ranks = node_local_ranks(nodes)
         remote_cls = ray.remote(worker_cls)
-        options: dict[str, Any] = {
-            "num_cpus": bundle.get("CPU", 1),
-            "runtime_env": {"env_vars": env_vars},
-        }
+        options: dict[str, Any] = {"num_cpus": bundle.get("CPU", 1)}
         extra = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
         if bundle.get("GPU"):
             options["num_gpus"] = bundle["GPU"]
@@ -101,6 +117,8 @@ class RayWorkerGroup:
             remote_cls.options(
                 name=None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
+                runtime_env={"env_vars": {**env_vars, "LOCAL_RANK": str(self.local_ranks[i]),
+                                          "LOCAL_WORLD_SIZE": str(nodes.count(nodes[i]))}},
                 **options,
             ).remote(rank=i, world_size=world_size, **init_kwargs)
             for i in range(world_size)

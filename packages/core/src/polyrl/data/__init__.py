@@ -7,6 +7,28 @@ A row::
      "agent_name": "single_turn"}   # optional
 """
 
-from polyrl.data.dataset import RLDataLoader, RLDataset, load_rows, validate_row
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from polyrl.data.dataset import RLDataLoader, RLDataset, load_rows, validate_row
+
+# Imported on first use (PEP 562), so that loading the hooks module next to this package
+# (``polyrl plugins``) does not import torch.
+_EXPORTS = {
+    "RLDataLoader": "polyrl.data.dataset",
+    "RLDataset": "polyrl.data.dataset",
+    "load_rows": "polyrl.data.dataset",
+    "validate_row": "polyrl.data.dataset",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["RLDataLoader", "RLDataset", "load_rows", "validate_row"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import uuid
 from collections.abc import Iterator, Sequence
@@ -9,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from polyrl.errors import DataError
+
+logger = logging.getLogger(__name__)
 
 
 def load_rows(path: str | Path, plugins: Any = None) -> list[dict]:
@@ -22,7 +25,13 @@ def load_rows(path: str | Path, plugins: Any = None) -> list[dict]:
     key = "/" if path.is_dir() else path.suffix
     for entry in pm.registry("dataset").entries():
         if key in entry.metadata.get("suffixes", ()):
-            return list(entry.load()(path, config=None))
+            try:
+                return list(entry.load()(path, config=None))
+            except DataError:
+                raise
+            except (OSError, ValueError) as exc:  # a corrupt parquet, an unreadable file...
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise DataError(f"data file {path} cannot be read by the '{entry.name}' loader: {first}") from None
     known = sorted({s for e in pm.registry("dataset").entries() for s in e.metadata.get("suffixes", ())})
     raise DataError(f"data file {path}: no dataset loader for '{key}' files; known: {', '.join(known)}")
 
@@ -78,8 +87,8 @@ class RLDataset:
                     self.stats["truncated"] += 1
                 self.rows.append(dict(row, prompt_ids=ids))
         if self.stats["filtered"] or self.stats["truncated"]:
-            print(f"[polyrl] data: {self.stats['filtered']} over-long prompts filtered, "
-                  f"{self.stats['truncated']} truncated (of {self.stats['rows']})", flush=True)
+            logger.warning("data: %d over-long prompts filtered, %d truncated (of %d)", self.stats["filtered"],
+                           self.stats["truncated"], self.stats["rows"])
 
     def __len__(self) -> int:
         return len(self.rows)

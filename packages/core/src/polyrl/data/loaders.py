@@ -18,9 +18,18 @@ def load_parquet(path: str | Path, *, config: Any = None) -> list[dict]:
 
 def load_jsonl(path: str | Path, *, config: Any = None) -> list[dict]:
     """Rows of a JSON-lines file (or a JSON list)."""
-    text = Path(path).read_text()
+    raw = Path(path).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise DataError(f"{path} line {line}: byte {raw[exc.start]:#04x} is not UTF-8 ({exc.reason}); save the "
+                        "file as UTF-8") from None
     if str(path).endswith(".json") and text.lstrip().startswith("["):
-        return json.loads(text)
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path} line {exc.lineno}: not valid JSON: {exc.msg}") from None
     rows = []
     for i, line in enumerate(text.splitlines()):
         if line.strip():

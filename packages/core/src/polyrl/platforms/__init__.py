@@ -1,11 +1,41 @@
-"""Device platforms. The built-ins are ``cpu`` and ``cuda``; NPU and ROCm come as plugins.
+"""Device platforms. The built-ins are ``cpu`` and ``cuda``; NPU and ROCm come as plugins
+(``polyrl-hw-ascend``, ``polyrl-hw-rocm``).
 
-:func:`detect_platform` picks the available platform with the highest priority;
-``trainer.device=NAME`` in a config picks one by name.
+:func:`select_platform` applies the order ``trainer.device=NAME`` > ``POLYRL_PLATFORM`` > probing
+(highest priority first) > ``cpu``; :func:`setup_worker_device` binds a worker to its device.
 """
 
 from __future__ import annotations
 
-from polyrl.platforms.base import CPUPlatform, CUDAPlatform, detect_platform, get_platform
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["CPUPlatform", "CUDAPlatform", "detect_platform", "get_platform"]
+if TYPE_CHECKING:
+    from polyrl.platforms.base import CPUPlatform, CUDAPlatform, detect_platform, get_platform
+    from polyrl.platforms.placement import assign_visible_devices, node_local_ranks, setup_worker_device
+    from polyrl.platforms.selection import PLATFORM_ENV, PlatformChoice, select_platform
+
+# Imported on first use (PEP 562), so that loading the hooks module next to this package
+# (``polyrl plugins``) does not import torch.
+_EXPORTS = {
+    "CPUPlatform": "polyrl.platforms.base",
+    "CUDAPlatform": "polyrl.platforms.base",
+    "detect_platform": "polyrl.platforms.base",
+    "get_platform": "polyrl.platforms.base",
+    "PLATFORM_ENV": "polyrl.platforms.selection",
+    "PlatformChoice": "polyrl.platforms.selection",
+    "select_platform": "polyrl.platforms.selection",
+    "assign_visible_devices": "polyrl.platforms.placement",
+    "node_local_ranks": "polyrl.platforms.placement",
+    "setup_worker_device": "polyrl.platforms.placement",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["PLATFORM_ENV", "CPUPlatform", "CUDAPlatform", "PlatformChoice", "assign_visible_devices", "detect_platform",
+           "get_platform", "node_local_ranks", "select_platform", "setup_worker_device"]

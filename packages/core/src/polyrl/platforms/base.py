@@ -1,12 +1,14 @@
-"""The built-in CPU and CUDA platforms and platform selection."""
+"""The built-in CPU and CUDA platforms.
+
+These are the only core modules that call ``torch.cuda``; everything else asks a
+:class:`polyrl.protocols.Platform`. Selection lives in :mod:`polyrl.platforms.selection`.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-
-from polyrl.errors import ConfigError
 
 
 class CPUPlatform:
@@ -15,6 +17,8 @@ class CPUPlatform:
     name = "cpu"
     device_type = "cpu"
     dist_backend = "gloo"
+    weight_sync_backend = "gloo"
+    weight_ipc = "shared_memory"  # host tensors travel through shared memory (torch.multiprocessing)
     visible_devices_env = None
     ray_resource = None
 
@@ -30,6 +34,15 @@ class CPUPlatform:
     def current_device(self) -> torch.device:
         return torch.device("cpu")
 
+    def synchronize(self) -> None:
+        pass
+
+    def rng_state(self) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        torch.set_rng_state(state)
+
     def empty_cache(self) -> None:
         pass
 
@@ -41,30 +54,49 @@ class CPUPlatform:
         except Exception:  # non-POSIX
             return {}
 
+    def worker_env(self) -> dict[str, str]:
+        return {}
+
     def apply_patches(self) -> None:
         pass
 
 
 class CUDAPlatform:
-    """NVIDIA GPUs through torch.cuda and NCCL."""
+    """NVIDIA GPUs through torch.cuda and NCCL. ROCm builds of torch also answer to ``torch.cuda``;
+    they belong to the ``rocm`` platform (``polyrl-hw-rocm``), so this one declines them."""
 
     name = "cuda"
     device_type = "cuda"
     dist_backend = "nccl"
+    weight_sync_backend = "nccl"
+    weight_ipc = "cuda_ipc"  # device tensors shared by IPC handle (torch.multiprocessing reductions)
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     ray_resource = "GPU"
 
     def is_available(self) -> bool:
-        return torch.cuda.is_available() and getattr(torch.version, "hip", None) is None
+        return getattr(torch.version, "hip", None) is None and torch.cuda.is_available()
 
     def device_count(self) -> int:
         return torch.cuda.device_count()
 
     def set_device(self, local_rank: int) -> None:
-        torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))
+        count = torch.cuda.device_count()
+        if not 0 <= local_rank < count:
+            raise RuntimeError(f"{self.name}: device index {local_rank} is out of range: this process sees {count} "
+                               f"device(s) ({self.visible_devices_env} and the worker's Ray resources decide which)")
+        torch.cuda.set_device(local_rank)
 
     def current_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def rng_state(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        torch.cuda.set_rng_state(state)
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
@@ -77,29 +109,24 @@ class CUDAPlatform:
             "max_allocated_gib": torch.cuda.max_memory_allocated() / gib,
         }
 
+    def worker_env(self) -> dict[str, str]:
+        return {}
+
     def apply_patches(self) -> None:
         pass
 
 
 def get_platform(name: str, plugins: Any = None) -> Any:
-    """The platform registered as ``name`` (``cpu``, ``cuda``, a plugin's ``npu``...)."""
-    from polyrl.plugins import get_plugin_manager
+    """The platform registered as ``name`` (``cpu``, ``cuda``, a plugin's ``npu``...); an error if it is
+    not available here. See :func:`polyrl.platforms.selection.select_platform`."""
+    from polyrl.platforms.selection import select_platform
 
-    pm = plugins or get_plugin_manager()
-    platform = pm.get("platform", name)()
-    if not platform.is_available():
-        raise ConfigError(f"platform '{name}' is not available on this machine (trainer.device={name})")
-    return platform
+    return select_platform(name, plugins).platform
 
 
 def detect_platform(plugins: Any = None) -> Any:
-    """The available platform with the highest ``priority`` metadata (CPU is the fallback)."""
-    from polyrl.plugins import get_plugin_manager
+    """``POLYRL_PLATFORM`` if set, else the available platform with the highest ``priority`` metadata
+    (CPU is the fallback). See :func:`polyrl.platforms.selection.select_platform`."""
+    from polyrl.platforms.selection import select_platform
 
-    pm = plugins or get_plugin_manager()
-    registry = pm.registry("platform")
-    for entry in sorted(registry.entries(), key=lambda e: -int(e.metadata.get("priority", 0))):
-        platform = entry.load()()
-        if platform.is_available():
-            return platform
-    return CPUPlatform()
+    return select_platform("auto", plugins).platform

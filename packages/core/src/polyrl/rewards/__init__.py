@@ -1,14 +1,31 @@
 """Reward functions (verl's ``compute_score``) and the reward managers that apply them to a batch."""
 
-from polyrl.rewards.config import RewardConfig
-from polyrl.rewards.managers import BatchRewardManager, DAPORewardManager, NaiveRewardManager
-from polyrl.rewards.scoring import default_compute_score, load_compute_score
+from __future__ import annotations
 
-__all__ = [
-    "BatchRewardManager",
-    "DAPORewardManager",
-    "NaiveRewardManager",
-    "RewardConfig",
-    "default_compute_score",
-    "load_compute_score",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from polyrl.rewards.config import RewardConfig
+    from polyrl.rewards.managers import BatchRewardManager, DAPORewardManager, NaiveRewardManager
+    from polyrl.rewards.scoring import default_compute_score, load_compute_score
+
+# Imported on first use (PEP 562), so that loading the hooks module next to this package
+# (``polyrl plugins``) does not import torch.
+_EXPORTS = {
+    "RewardConfig": "polyrl.rewards.config",
+    "BatchRewardManager": "polyrl.rewards.managers",
+    "DAPORewardManager": "polyrl.rewards.managers",
+    "NaiveRewardManager": "polyrl.rewards.managers",
+    "default_compute_score": "polyrl.rewards.scoring",
+    "load_compute_score": "polyrl.rewards.scoring",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["BatchRewardManager", "DAPORewardManager", "NaiveRewardManager", "RewardConfig", "default_compute_score", "load_compute_score"]

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    """verl's ``custom_reward_function`` spelling of ``reward.function``: ``path`` (a .py file) and ``name``
+    (the function in it; default ``compute_score``)."""
+
+    path: str | None = None
+    name: str | None = None
 
 
 @dataclass
@@ -16,8 +25,18 @@ class RewardConfig:
     #: Reward manager: ``naive`` (one call per sample), ``batch`` (one call for the batch), ``dapo``.
     manager: str = "naive"
     function: str = ""
-    #: Score given to a sample whose reward function raised or returned NaN/inf.
+    #: verl's spelling (``reward.custom_reward_function.path``/``.name``), accepted beside ``function``;
+    #: giving both is an error unless they name the same function.
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    #: Score given to a sample whose reward function raised, timed out, or returned anything but a finite
+    #: number (or a dict with a finite ``score``); each such sample counts in ``reward/failures``.
     fallback_score: float = 0.0
+    #: Seconds one reward call may take before its sample gets ``fallback_score`` (0: no limit).
+    timeout_s: float = 60.0
+    #: Threads that run reward calls concurrently, off the driver's main thread (helps slow or remote
+    #: rewards). 0 calls the function in the main thread, one sample after another, with no timeout
+    #: (for reward functions that use signals).
+    num_workers: int = 4
     #: DAPO overlong penalty: on, buffer length (tokens) and penalty factor.
     overlong_buffer_enable: bool = False
     overlong_buffer_len: int = 16

@@ -13,6 +13,13 @@ def register_reward_managers(register):
 @hookimpl
 def register_reward_functions(register):
     register("arithmetic", "polyrl.rewards.functions:arithmetic_score", data_sources=["arithmetic"])
+    # data sources as in verl's default_compute_score (verl.utils.reward_score)
     register("gsm8k", "polyrl.rewards.functions:gsm8k_score", data_sources=["openai/gsm8k", "gsm8k"])
     register("math", "polyrl.rewards.functions:math_score",
-             data_sources=["lighteval/MATH", "math", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"])
+             data_sources=["lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"])
+    register("math_dapo", "polyrl.rewards.functions:math_dapo_score",
+             data_sources=["math_dapo", "math", "math_dapo_reasoning"], data_source_prefixes=["aime"])
+    register("geo3k", "polyrl.rewards.functions:geo3k_score", data_sources=["hiyouga/geometry3k"])
+    register("search_r1", "polyrl.rewards.functions:search_r1_score",
+             data_sources=["searchR1_nq", "searchR1_triviaqa", "searchR1_popqa", "searchR1_hotpotqa",
+                           "searchR1_2wikimultihopqa", "searchR1_musique", "searchR1_bamboogle"])

@@ -160,6 +160,9 @@ class HFRollout:
     def wake_up(self) -> None:
         """No-op."""
 
+    def shutdown(self) -> None:
+        """No-op: the model is freed with the rollout (no engine processes to stop)."""
+
 
 def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return it and its log-prob before top-p/top-k filtering."""

@@ -35,7 +35,22 @@ from polyrl.testing.fixtures import (  # noqa: E402
     tiny_tokenizer,
 )
 
+#: Markers for tests that need a device; a suite skips them where the platform probe fails.
+DEVICE_MARKERS = {
+    "gpu": "needs an NVIDIA GPU (the cuda platform)",
+    "npu": "needs a Huawei Ascend NPU with torch-npu (the npu platform, polyrl-hw-ascend)",
+    "rocm": "needs an AMD GPU with a ROCm build of torch (the rocm platform, polyrl-hw-rocm)",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the device markers (``gpu``, ``npu``, ``rocm``) for every suite that uses this plugin."""
+    for name, what in DEVICE_MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
+
+
 __all__ = [
+    "DEVICE_MARKERS",
     "PluginHarness",
     "polyrl_plugin_manager",
     "polyrl_plugins",

@@ -73,8 +73,15 @@ def sft(manifest: str | Path | Manifest | None = None, configs: Sequence[str | P
     return SFTTrainer(config, manifest=manifest).fit()
 
 
-def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manifest | None = None) -> Path:
-    """``polyrl export CKPT --to DIR``: write a checkpoint's actor as an HF folder."""
+def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manifest | None = None,
+           overrides: Sequence[str] = ()) -> Path:
+    """``polyrl export CKPT --to DIR [key=value ...]``: write a checkpoint's actor as an HF folder.
+
+    The folder is what ``save_pretrained`` writes (config, generation config, safetensors sharded with an index
+    above the engine's shard size, tokenizer). ``overrides`` change the run's config for the export, e.g. the
+    fsdp engine's ``actor.fsdp.lora_export=adapter`` (a peft adapter folder instead of merged weights) or
+    ``actor.fsdp.export_max_shard_size=2GB``.
+    """
     from polyrl.config.loader import load_config
     from polyrl.config.schema import PolyrlConfig
     from polyrl.controller.distributed import free_port
@@ -92,7 +99,7 @@ def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manife
     if manifest is None and (run_dir / "manifest.lock.toml").exists():
         manifest = run_dir / "manifest.lock.toml"
     manifest, pm = _plugins(manifest)
-    config = load_config(PolyrlConfig, [config_file], plugins=pm)
+    config = load_config(PolyrlConfig, [config_file], overrides, plugins=pm)
     config.trainer.run_dir = str(run_dir)
     kwargs = dict(config=config, roles=["actor"], manifest=manifest, master_port=free_port(), role_kind="sft")
     owns_ray = False

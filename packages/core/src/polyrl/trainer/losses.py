@@ -7,7 +7,9 @@ and returns the micro-batch's share of the loss plus metrics.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -15,37 +17,112 @@ from tensordict import TensorDict
 
 from polyrl.protocols import LossScale
 
+#: keyword arguments the trainer gives a policy loss when its signature takes them (verl's take some, not all)
+OPTIONAL_LOSS_KWARGS = ("rollout_log_probs", "rollout_is_weights", "loss_scale")
 
-def make_actor_loss(cfg: Any, *, on_policy: bool = False):
+
+def accepted_kwargs(fn: Callable[..., Any], names: tuple[str, ...] = OPTIONAL_LOSS_KWARGS) -> set[str]:
+    """The subset of ``names`` that ``fn`` accepts as keywords (all of them if it takes ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: give it the basics only
+        return set()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return set(names)
+    return {p.name for p in params if p.name in names and p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+
+
+class VerlActorConfigView:
+    """The actor config as verl's losses read it: attributes, ``.get(key, default)`` and ``global_batch_info``.
+
+    polyrl's configs are dataclasses; a loss copied from verl calls ``config.get("clip_ratio_c", 3.0)``
+    and spreads ``**config.global_batch_info`` (``dp_size``, ``batch_num_tokens``,
+    ``global_batch_size``, ``loss_scale_factor``) into ``agg_loss``. Nested blocks are viewed the same way.
+    """
+
+    def __init__(self, config: Any, global_batch_info: dict[str, Any] | None = None) -> None:
+        self._config = config
+        self.global_batch_info = dict(global_batch_info or {})
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = self._config.get(name) if isinstance(self._config, Mapping) else getattr(self._config, name)
+        return VerlActorConfigView(value) if _is_block(value) else value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``config.<key>`` or ``default`` when missing or None (verl's ``BaseConfig.get``)."""
+        try:
+            value = getattr(self, key)
+        except (AttributeError, KeyError):
+            return default
+        return default if value is None else value
+
+    def __contains__(self, key: str) -> bool:
+        return self.get(key) is not None
+
+    def __repr__(self) -> str:
+        return f"VerlActorConfigView({self._config!r})"
+
+
+def _is_block(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def make_actor_loss(cfg: Any, *, on_policy: bool = False) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
     """PPO-family policy loss + optional entropy bonus + optional KL-to-reference loss.
 
     ``on_policy``: the batch carries no ``old_log_probs`` because this update is the first and only
     pass over it; the current log-probs, detached, are the old ones (ratio 1, the same gradient).
+
+    The policy loss gets verl's seven arguments, and ``rollout_is_weights`` (rollout
+    correction), ``rollout_log_probs`` (the legacy ``tis_imp_ratio_cap``) and ``loss_scale``
+    only if its signature takes them, so a loss written for verl runs unchanged: its
+    ``config`` is a :class:`VerlActorConfigView` whose ``global_batch_info`` carries the
+    mini-batch's global counts.
     """
     from polyrl.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, masked_mean
     from polyrl.algorithms.policy_losses import policy_option
+    from polyrl.algorithms.rollout_correction import compute_rollout_correction_weights
+    from polyrl.algorithms.torch_functional import masked_select_zero
 
     policy_loss_fn = get_policy_loss_fn(cfg.policy_loss.loss_mode)
+    takes = accepted_kwargs(policy_loss_fn)
     use_tis = bool(policy_option(cfg, "tis_imp_ratio_cap", 0))
+    correction = dict(policy_option(cfg, "rollout_correction", None) or {})
+    # on-policy (no old-log-prob pass): importance weights per token or per sequence need only this micro-batch
+    weights_in_loss = on_policy and bool(correction.get("rollout_is")) and not correction.get("bypass_mode")
 
-    def actor_loss(out: Mapping[str, torch.Tensor], mb: TensorDict, scale: LossScale):
+    def actor_loss(out: Mapping[str, torch.Tensor], mb: TensorDict,
+                   scale: LossScale) -> tuple[torch.Tensor, dict[str, float]]:
         mask = mb["response_mask"]
         log_prob = out["log_probs"]
         old_log_prob = log_prob.detach() if on_policy else mb["old_log_probs"]
+        keys = mb.keys()
+        metrics: dict[str, float] = {}
+        weights = mb["rollout_is_weights"] if "rollout_is_weights" in keys else None
+        if weights is None and weights_in_loss and "rollout_log_probs" in keys:
+            weights, is_metrics = compute_rollout_correction_weights(
+                log_prob.detach() - mb["rollout_log_probs"], mask, correction["rollout_is"],
+                correction.get("rollout_is_threshold", 2.0))
+            metrics.update({f"rollout_corr/{k}": v for k, v in is_metrics.items()})
+        optional: dict[str, Any] = {"loss_scale": scale}
+        if weights is not None:
+            optional["rollout_is_weights"] = weights
+        elif use_tis and "rollout_log_probs" in keys:
+            optional["rollout_log_probs"] = mb["rollout_log_probs"]
+        info = {"dp_size": scale.dp_size, "batch_num_tokens": scale.batch_num_tokens,
+                "global_batch_size": scale.global_batch_size,
+                "loss_scale_factor": policy_option(cfg, "loss_scale_factor", None)}
         pg_loss, pg_metrics = policy_loss_fn(
-            old_log_prob=old_log_prob,
-            log_prob=log_prob,
-            advantages=mb["advantages"],
-            response_mask=mask,
-            loss_agg_mode=cfg.loss_agg_mode,
-            config=cfg,
-            rollout_log_probs=mb["rollout_log_probs"] if use_tis and "rollout_log_probs" in mb.keys() else None,
-            loss_scale=scale,
+            old_log_prob, log_prob, mb["advantages"], mask, cfg.loss_agg_mode, VerlActorConfigView(cfg, info),
+            **{k: v for k, v in optional.items() if k in takes},
         )
         loss = pg_loss
-        metrics = {f"actor/{k}": _float(v) for k, v in pg_metrics.items()}
+        # verl's losses name their metrics "actor/..." already; polyrl's are bare
+        metrics.update({(k if "/" in k else f"actor/{k}"): _float(v) for k, v in pg_metrics.items()})
         metrics["actor/pg_loss"] = _float(pg_loss)
-        if on_policy and "rollout_log_probs" in mb.keys():  # the trainer-vs-rollout mismatch, as when recomputed
+        if on_policy and "rollout_log_probs" in keys:  # the trainer-vs-rollout mismatch, as when recomputed
             metrics["rollout/logprob_diff_mean"] = _float(masked_mean((mb["rollout_log_probs"] - old_log_prob).abs(), mask))
         if "entropy" in out:
             entropy = agg_loss(out["entropy"], mask, cfg.loss_agg_mode, loss_scale=scale)
@@ -53,7 +130,10 @@ def make_actor_loss(cfg: Any, *, on_policy: bool = False):
             if cfg.entropy_coeff:
                 loss = loss - cfg.entropy_coeff * entropy
         if cfg.use_kl_loss:
-            kld = kl_penalty(log_prob, mb["ref_log_prob"], cfg.kl_loss_type)
+            # select response tokens first: a NaN in padding would otherwise reach the gradient through the KL
+            valid = mask != 0
+            kld = kl_penalty(masked_select_zero(log_prob, valid), masked_select_zero(mb["ref_log_prob"], valid),
+                             cfg.kl_loss_type)
             kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, loss_scale=scale)
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = _float(kl_loss)

@@ -13,6 +13,8 @@ live in worker groups (:mod:`polyrl.controller`).
 
 from __future__ import annotations
 
+import inspect
+import logging
 import random
 import time
 from collections import defaultdict
@@ -24,13 +26,26 @@ import torch
 from tensordict import TensorDict
 
 from polyrl import batch as batch_ops
+from polyrl.agent_loops.runner import agent_metrics, fold_tool_rewards
 from polyrl.algorithms import masked_mean
 from polyrl.config.loader import to_dict, to_yaml
 from polyrl.errors import ConfigError
+from polyrl.logs import progress_bar, setup_run_logging
 from polyrl.manifest import Manifest
+from polyrl.models.paths import check_model_paths
 from polyrl.protocols import SamplingParams
-from polyrl.trainer.checkpoint import CheckpointManager, read_state, resolve_resume
+from polyrl.trainer.checkpoint import (
+    CheckpointManager,
+    config_differences,
+    read_state,
+    resolve_resume,
+    truncate_metrics,
+)
+from polyrl.trainer.faults import fault_point
+from polyrl.trainer.run_dir import RunDirLock, prepare_run_dir
 from polyrl.trainer.workers import RoleGroups, build_role_groups
+
+log = logging.getLogger("polyrl")
 
 #: Estimators that need a critic's values.
 _NEEDS_CRITIC = {"gae"}
@@ -48,9 +63,9 @@ class PPOTrainer:
         self.manifest = manifest
         self.pm = plugins or get_plugin_manager()
         cfg = config
-        self.run_dir = Path(cfg.trainer.run_dir).resolve()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = Path(cfg.trainer.run_dir).expanduser().resolve()  # created (and locked) by fit()
         self._check_config()
+        check_model_paths(cfg.actor.model, "actor.model")  # before transformers retries an unreachable Hub
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model.tokenizer_path or cfg.actor.model.path)
 
         from polyrl.data import RLDataLoader, RLDataset
@@ -84,11 +99,13 @@ class PPOTrainer:
 
         self.adv_fn = get_adv_estimator_fn(cfg.algorithm.adv_estimator)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
-        compute_score = load_compute_score(cfg.reward.function)
+        compute_score = load_compute_score(cfg.reward)  # reward.function or verl's custom_reward_function
         manager = self.pm.get("reward_manager", cfg.reward.manager)
         self.reward_fn = manager(tokenizer=self.tokenizer, compute_score=compute_score, config=cfg.reward)
         entry = self.pm.entry("advantage_estimator", cfg.algorithm.adv_estimator)
         self.use_critic = bool(entry.metadata.get("needs_values")) or cfg.algorithm.adv_estimator in _NEEDS_CRITIC
+        if self.use_critic and cfg.critic.model.path != cfg.actor.model.path:
+            check_model_paths(cfg.critic.model, "critic.model")
         kl_used = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         enable = str(cfg.ref.enable).lower()
         self.use_ref = enable == "true" or (enable == "auto" and kl_used)
@@ -100,9 +117,37 @@ class PPOTrainer:
         # on-policy: the one update pass sees the policy that generated the batch (verl's dp_actor does the same)
         on_policy = cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
         self.skip_old_log_prob = mode == "auto" and on_policy and not cfg.algorithm.use_kl_in_reward
+        if "old_log_probs" in inspect.signature(self.adv_fn).parameters:  # optimal_token_baseline and kin read them
+            self.skip_old_log_prob = False
+        self.rollout_corr = self._configure_rollout_correction()
         self.ckpt = CheckpointManager(self.run_dir, keep=cfg.trainer.max_checkpoints)
         self.global_step = 0
         self.groups: RoleGroups | None = None
+
+    def _configure_rollout_correction(self) -> dict[str, Any] | None:
+        """verl's ``algorithm.rollout_correction`` (and the old ``tis_imp_ratio_cap``): the settings, copied to
+        ``actor.policy_loss.rollout_correction`` for the workers' loss; bypass mode selects the ``bypass_mode`` loss
+        and the rollout's log-probs as the old ones. See docs/algorithms.md, "Rollout correction"."""
+        from polyrl.algorithms.rollout_correction import needs_whole_batch, rollout_correction_settings
+
+        cfg = self.config
+        try:
+            settings = rollout_correction_settings(cfg.algorithm.rollout_correction,
+                                                   cfg.actor.policy_loss.tis_imp_ratio_cap)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        cfg.actor.policy_loss.rollout_correction = dict(settings or {})
+        if settings is None:
+            return None
+        if settings["bypass_mode"]:
+            if cfg.actor.policy_loss.loss_mode not in ("vanilla", "bypass_mode"):
+                log.warning("algorithm.rollout_correction.bypass_mode replaces actor.policy_loss.loss_mode=%s by "
+                            "bypass_mode (loss_type=%s)", cfg.actor.policy_loss.loss_mode, settings["loss_type"])
+            cfg.actor.policy_loss.loss_mode = "bypass_mode"
+            self.skip_old_log_prob = True
+        elif needs_whole_batch(settings):
+            self.skip_old_log_prob = False
+        return settings
 
     # ------------------------------------------------------------------ set-up
     def _check_config(self) -> None:
@@ -135,6 +180,11 @@ class PPOTrainer:
             block=self.manifest.block if self.manifest else (),
         )
         (self.run_dir / "manifest.lock.toml").write_text(lock.to_toml())
+        from polyrl.platforms import select_platform
+
+        choice = select_platform(self.config.trainer.device, self.pm)  # logged; raises if a named one is absent
+        choice.write(self.run_dir)  # platform.json: the platform, why, and what each probe answered
+        self.config.trainer.device = choice.name  # every worker binds the platform chosen (and recorded) here
 
     def _sampling(self, validate: bool = False) -> SamplingParams:
         r = self.config.rollout
@@ -155,12 +205,22 @@ class PPOTrainer:
         from polyrl.tracking import Tracker
 
         cfg = self.config
-        resume_from = resolve_resume(cfg.trainer.resume, self.ckpt)
-        self._write_run_files()
-        self.groups = build_role_groups(cfg, manifest=self.manifest, use_ref=self.use_ref,
-                                        use_critic=self.use_critic, run_dir=self.run_dir)
-        tracker = Tracker(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
-                          experiment=cfg.trainer.experiment_name, config=to_dict(cfg), resume=resume_from is not None)
+        # one run per directory: the lock is held until fit() returns, and dropped by the kernel if we die
+        self._lock = RunDirLock(prepare_run_dir(cfg.trainer.run_dir)).acquire()
+        try:
+            setup_run_logging(self.run_dir)  # RUN_DIR/train.log, appended on resume
+            resume_from = self._resume_point()
+            self._write_run_files()
+            self.groups = build_role_groups(cfg, manifest=self.manifest, use_ref=self.use_ref,
+                                            use_critic=self.use_critic, run_dir=self.run_dir)
+            tracker = Tracker(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
+                              experiment=cfg.trainer.experiment_name, config=to_dict(cfg),
+                              resume=resume_from is not None)
+        except BaseException:
+            if self.groups is not None:
+                self.groups.shutdown()
+            self._lock.release()
+            raise
         last_val: dict[str, float] = {}
         metrics: dict[str, float] = {}
         try:
@@ -181,18 +241,58 @@ class PPOTrainer:
                 ):
                     last_val = self.validate()
                     metrics.update(last_val)
-                if cfg.trainer.save_freq and (self.global_step % cfg.trainer.save_freq == 0 or is_last):
-                    self.save()
+                # metrics first: a checkpoint at step N implies N's metrics line exists (resume re-runs the rest)
                 tracker.log(metrics, self.global_step)
+                fault_point("metrics", self.global_step)
+                if cfg.trainer.save_freq > 0 and (self.global_step % cfg.trainer.save_freq == 0 or is_last):
+                    self.save()
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("critic/score/mean",) if k in metrics})
             if bar is not None:
                 bar.close()
         finally:
-            tracker.close()
-            self.groups.shutdown()
+            try:
+                tracker.close()
+                self.groups.shutdown()
+            finally:
+                self._lock.release()
         return {**metrics, **last_val}
+
+    def _resume_point(self) -> Path | None:
+        """The checkpoint to continue from (checked against this config), with metrics after it dropped."""
+        resume_from = resolve_resume(self.config.trainer.resume, self.ckpt)
+        if resume_from is None:
+            return None
+        state = read_state(resume_from)
+        self._check_resume_config(state, resume_from)
+        dropped = truncate_metrics(self.run_dir, state["global_step"])
+        if dropped:
+            log.info("dropped %d metrics lines logged after step %d by the interrupted run; those steps run again",
+                     dropped, state["global_step"])
+        return resume_from
+
+    def _check_resume_config(self, state: dict[str, Any], path: Path) -> None:
+        """Refuse to resume with a config that differs from the checkpoint's, except in keys the user allowed
+        (``trainer.resume_override``); those new values apply from the resumed step on."""
+        saved = state.get("config")
+        if saved is None:  # a checkpoint from before configs were stored
+            log.warning("checkpoint %s stores no config; resuming without checking that the config is unchanged", path)
+            return
+        allowed = list(self.config.trainer.resume_override)
+        diffs = config_differences(saved, to_dict(self.config), allowed)
+        if diffs:
+            shown = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in diffs[:10])
+            more = f" (and {len(diffs) - 10} more)" if len(diffs) > 10 else ""
+            keys = ",".join(k for k, _, _ in diffs)
+            raise ConfigError(
+                f"trainer.resume: the config differs from the one checkpoint {path} was trained with: {shown}{more}. "
+                f"Resume with the same values, allow the change with trainer.resume_override=[{keys}], or start a new "
+                "run (another trainer.run_dir, or trainer.resume=disable)."
+            )
+        changed = [k for k, _, _ in config_differences(saved, to_dict(self.config))]
+        if changed:
+            log.warning("resuming with changed config keys (allowed by trainer.resume_override): %s", ", ".join(changed))
 
     def _next_rows(self) -> list[dict]:
         try:
@@ -223,9 +323,10 @@ class PPOTrainer:
             with _timer(timing, "reward"):
                 out = self.reward_fn(batch)
             batch["token_level_scores"] = out.token_level_scores.float()
+            fold_tool_rewards(batch, cfg.agent)  # tools' ToolResult.reward, as agent.tool_reward says
             for k, v in out.metrics.items():
                 reward_metrics[k].append(float(v))
-            for key in ("acc", "score"):
+            for key in ("acc", "score", *cfg.algorithm.gdpo_reward_keys):  # GDPO reads its reward components
                 if key in out.extra:
                     batch[f"_{key}"] = torch.tensor([float(x) for x in out.extra[key]])
             if not filter_cfg.enable:
@@ -240,6 +341,7 @@ class PPOTrainer:
                 filter_cfg.max_num_gen_batches and gen_rounds >= filter_cfg.max_num_gen_batches
             ):
                 break
+        fault_point("gen", self.global_step + 1)
         batch = batch_ops.concat(kept) if len(kept) > 1 else kept[0]
         if filter_cfg.enable:
             batch = _fit_to_groups(batch, cfg.data.train_batch_size, n, cfg.trainer.n_workers, cfg.actor.ppo_mini_batch_size)
@@ -253,6 +355,9 @@ class PPOTrainer:
             metrics["batch/rank_tokens_max_over_mean"] = imbalance
 
         # old log-probs (actor) -> ref log-probs -> values (critic)
+        if self.rollout_corr is not None and self.rollout_corr["bypass_mode"]:
+            batch_ops.require_fields(batch, ["rollout_log_probs"], "algorithm.rollout_correction.bypass_mode")
+            batch["old_log_probs"] = batch["rollout_log_probs"]  # bypass: the rollout's log-probs are the old ones
         if not self.skip_old_log_prob:
             with _timer(timing, "old_log_prob"):
                 old = groups.actor.dispatch("compute_log_prob", batch_ops.tensor_fields(batch))
@@ -283,7 +388,14 @@ class PPOTrainer:
                 metrics.update(kl_metrics)
             else:
                 batch["token_level_rewards"] = batch["token_level_scores"]
-            extra = dict(cfg.algorithm.extra)
+            if self.rollout_corr is not None and not self.rollout_corr["bypass_mode"] and "old_log_probs" in batch.keys():
+                from polyrl.algorithms.rollout_correction import apply_rollout_correction
+
+                metrics.update(apply_rollout_correction(batch, self.rollout_corr))  # weights; RS narrows the mask
+            from polyrl.algorithms.advantages import estimator_batch_kwargs
+
+            extra = {**estimator_batch_kwargs(self.adv_fn, batch, cfg.algorithm.gdpo_reward_keys),
+                     **dict(cfg.algorithm.extra)}
             if self.use_critic:
                 extra["values"] = batch["values"]
             advantages, returns = self.adv_fn(
@@ -301,11 +413,13 @@ class PPOTrainer:
             with _timer(timing, "update_actor"):
                 metrics.update(_mean_of(groups.actor.dispatch("update_actor", tensors)))
 
+        fault_point("update", self.global_step + 1)
         # weights_for_rollout -> rollout.update_weights
         with _timer(timing, "weight_sync"):
             groups.sync_weights()
 
         metrics.update(_batch_metrics(batch))
+        metrics.update(agent_metrics(batch))
         timing["step"] = time.perf_counter() - t_step
         metrics.update({f"timing/{k}": v for k, v in timing.items()})
         tokens = float(batch["attention_mask"].sum())
@@ -335,6 +449,7 @@ class PPOTrainer:
         batch_size = cfg.data.val_batch_size or size
         loader = RLDataLoader(self.val_set, batch_size=batch_size, shuffle=False, seed=0, drop_last=False)
         per_source: dict[str, list[list[float]]] = defaultdict(list)
+        tool_use: list[float] = []  # samples that called a tool (agent loops with tools)
         seen = 0
         for rows in loader:
             rows = rows[: size - seen]
@@ -344,6 +459,8 @@ class PPOTrainer:
             out = self.reward_fn(batch)
             correct = out.extra.get("acc") or [float(s > 0) for s in out.token_level_scores.sum(-1).tolist()]
             sources = batch_ops.non_tensor(batch, "data_source")
+            if "tool_calls" in batch.keys():
+                tool_use += [float(c > 0) for j, c in enumerate(batch["tool_calls"].tolist()) if not rows[j // k].get("_pad")]
             for i in range(0, len(correct), k):
                 if rows[i // k].get("_pad"):
                     continue
@@ -357,6 +474,8 @@ class PPOTrainer:
             if k > 1:
                 metrics[f"val/{source}/pass@{k}"] = float((arr > 0).any(axis=1).mean())
                 metrics[f"val/{source}/mean@{k}"] = float(arr.mean())
+        if tool_use and cfg.agent.tools:
+            metrics["val/agent/tool_use_rate"] = float(np.mean(tool_use))
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
@@ -369,10 +488,12 @@ class PPOTrainer:
             "numpy_rng": _encode_rng(np.random.get_state()),
             "torch_rng": self._torch_rng(),
             "kl_coef": getattr(self.kl_ctrl, "value", None),
+            "config": to_dict(self.config),  # a resume with another config is refused unless allowed
         }
         return self.ckpt.save(self.global_step, self.groups.save_checkpoint, state)
 
     def _torch_rng(self) -> list[int]:
+        # The driver computes on the CPU only; each engine saves its device's RNG through its platform.
         return torch.get_rng_state().tolist()
 
     def _load(self, path: Path) -> None:
@@ -387,7 +508,7 @@ class PPOTrainer:
         if self.kl_ctrl is not None and state.get("kl_coef") is not None:
             self.kl_ctrl.value = state["kl_coef"]
         self.groups.sync_weights()
-        print(f"[polyrl] resumed from {path} at step {self.global_step}", flush=True)
+        log.info("resumed from %s at step %d", path, self.global_step)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -405,11 +526,9 @@ class _timer:
 
 
 def _progress(enabled: bool, total: int, initial: int):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc="polyrl train", unit="step", dynamic_ncols=True)
+    """The step bar on stderr; log records (the console step lines) are written above it by
+    :class:`polyrl.logs.TqdmConsoleHandler`, never onto it."""
+    return progress_bar(enabled, total, initial, desc="polyrl train")
 
 
 def _mean_of(results: dict[str, float] | list[dict[str, float]]) -> dict[str, float]:

@@ -17,7 +17,9 @@ from tensordict import TensorDict
 
 from polyrl.config.loader import to_dict, to_yaml
 from polyrl.errors import DataError
+from polyrl.logs import progress_bar, setup_run_logging
 from polyrl.manifest import Manifest
+from polyrl.models.paths import check_model_paths
 
 
 def sft_examples(rows: list[dict], tokenizer: Any, response_key: str, max_prompt: int, max_response: int,
@@ -68,9 +70,9 @@ class SFTTrainer:
 
         self.config = config
         self.manifest = manifest
-        self.run_dir = Path(config.trainer.run_dir).resolve()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = Path(config.trainer.run_dir).expanduser().resolve()  # created (and locked) by fit()
         model = config.actor.model
+        check_model_paths(model, "actor.model")  # before transformers retries an unreachable Hub
         self.tokenizer = AutoTokenizer.from_pretrained(model.tokenizer_path or model.path)
         rows: list[dict] = []
         examples = []
@@ -90,7 +92,13 @@ class SFTTrainer:
         config.actor.optim.total_steps = self.total_steps
 
     def fit(self) -> dict[str, float]:
-        """Train, then export the model as an HF folder to ``RUN_DIR/hf``."""
+        """Train, then export the model as an HF folder to ``RUN_DIR/hf`` (holding the run directory's lock)."""
+        from polyrl.trainer.run_dir import RunDirLock, prepare_run_dir
+
+        with RunDirLock(prepare_run_dir(self.config.trainer.run_dir)):
+            return self._fit()
+
+    def _fit(self) -> dict[str, float]:
         from polyrl.controller.distributed import free_port
         from polyrl.controller.worker import Worker
         from polyrl.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
@@ -98,6 +106,7 @@ class SFTTrainer:
         from polyrl.trainer.workers import start_ray
 
         cfg = self.config
+        setup_run_logging(self.run_dir)  # RUN_DIR/train.log
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         kwargs = dict(config=cfg, roles=["actor"], manifest=self.manifest, master_port=free_port(), role_kind="sft")
         owns_ray = False
@@ -112,6 +121,7 @@ class SFTTrainer:
         rng = random.Random(cfg.data.seed)
         order: list[int] = []
         metrics: dict[str, float] = {}
+        bar = progress_bar(cfg.trainer.progress_bar, self.total_steps, desc="polyrl sft")
         try:
             for step in range(1, self.total_steps + 1):
                 if len(order) < bs:
@@ -128,8 +138,12 @@ class SFTTrainer:
                 metrics["timing/step"] = time.perf_counter() - start
                 metrics["throughput/tokens_per_s"] = float(batch["attention_mask"].sum()) / metrics["timing/step"]
                 tracker.log(metrics, step)
+                if bar is not None:
+                    bar.update(1)
             group.call_all("export_hf", str(self.run_dir / "hf"))
         finally:
+            if bar is not None:
+                bar.close()
             tracker.close()
             group.shutdown()
             if owns_ray:

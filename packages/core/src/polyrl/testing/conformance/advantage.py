@@ -113,6 +113,21 @@ class AdvantageEstimatorConformance:
         assert torch.allclose(adv_p, adv[perm], atol=1e-5)
         assert torch.allclose(ret_p, ret[perm], atol=1e-5)
 
+    def test_nan_in_padding_changes_nothing(self, estimator, estimator_kwargs):
+        rewards, mask, index = make_batch(seed=7, continuous=True)
+        kwargs = self._kwargs(estimator_kwargs)
+        adv, ret = self._call(estimator, rewards, mask, index, kwargs)
+        junk = mask == 0
+
+        def poison(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.shape == mask.shape:
+                return torch.where(junk, torch.full_like(t, float("nan")), t)
+            return t
+
+        adv2, ret2 = self._call(estimator, poison(rewards), mask, index, {k: poison(v) for k, v in kwargs.items()})
+        assert torch.isfinite(adv2).all() and torch.isfinite(ret2).all()
+        assert torch.allclose(adv2[~junk], adv[~junk], atol=1e-6) and torch.allclose(ret2[~junk], ret[~junk], atol=1e-6)
+
     def test_config_may_be_a_mapping_or_an_object(self, estimator, estimator_kwargs):
         rewards, mask, index = make_batch(seed=6, continuous=True)
         kwargs = self._kwargs(estimator_kwargs)

@@ -47,6 +47,7 @@ def _batch():
 
 def _token_mean(loss_mat: torch.Tensor, mask: torch.Tensor, scale: LossScale) -> torch.Tensor:
     """Masked token mean normalised by the mini-batch's global token count (what agg_loss does)."""
+    assert scale.batch_num_tokens is not None, "Engine.train_batch must pass the mini-batch's token count in LossScale"
     return (loss_mat * mask).sum() / scale.batch_num_tokens * scale.dp_size
 
 

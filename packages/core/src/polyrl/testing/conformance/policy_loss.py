@@ -29,7 +29,7 @@ import torch
 
 from polyrl.protocols import LossScale
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def make_inputs(seed: int = 0, b: int = 6, r: int = 7, spread: float = 0.3):
@@ -82,6 +82,20 @@ class PolicyLossConformance:
         new2 = new.detach().masked_fill(junk, 5.0).requires_grad_(True)
         loss2, _ = self._loss(policy_loss, old2, new2, adv2, mask)
         assert torch.allclose(loss, loss2, atol=1e-6), "values under masked tokens changed the loss"
+
+    def test_nan_in_padding_changes_neither_loss_nor_gradient(self, policy_loss):
+        old, new, adv, mask = make_inputs(seed=9)
+        loss, _ = self._loss(policy_loss, old, new, adv, mask)
+        loss.backward()
+        nan = torch.full_like(old, float("nan"))
+        junk = mask == 0
+        new2 = torch.where(junk, nan, new.detach()).requires_grad_(True)
+        loss2, metrics = self._loss(policy_loss, torch.where(junk, nan, old), new2, torch.where(junk, nan, adv), mask)
+        loss2.backward()
+        assert torch.isfinite(loss2) and float(loss2.detach()) == pytest.approx(float(loss.detach()), abs=1e-6)
+        assert new2.grad is not None and new.grad is not None
+        assert torch.allclose(new2.grad, new.grad, atol=1e-7), "NaN in padding reached the gradient"
+        assert all(float(v) == float(v) for v in metrics.values()), f"a metric is NaN: {metrics}"
 
     @pytest.mark.parametrize("mode", AGG_MODES)
     def test_micro_batches_and_ranks_with_loss_scale_sum_to_the_whole(self, policy_loss, mode):

@@ -1,0 +1,66 @@
+"""Where a model comes from: ``model.path`` is a local folder or a Hugging Face Hub id (``Qwen/Qwen2.5-0.5B``).
+
+transformers resolves a Hub id itself (downloading into, or reading from, the local HF cache). What
+:func:`check_model_path` adds is a fast, early answer when that cannot work, before workers start and
+before transformers spends half a minute retrying: a missing folder, a folder that holds no model, a Hub
+id that does not exist, or no network to the Hub (with what to do: point the key at a local copy).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from polyrl.errors import ConfigError
+
+#: what the Hub accepts as ``name`` or ``owner/name``
+_REPO_ID = re.compile(r"^[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?$")
+
+
+def is_hub_id(value: str) -> bool:
+    """Whether ``value`` reads as a Hub id rather than a filesystem path (and names no existing file)."""
+    return bool(_REPO_ID.match(value)) and not Path(value).expanduser().exists()
+
+
+def check_model_path(value: str, key: str, *, needs_config: bool = True, timeout: float = 10.0) -> None:
+    """Raise :class:`~polyrl.errors.ConfigError` naming ``key`` when ``value`` cannot give a model.
+
+    A local folder must exist and (``needs_config``) hold a ``config.json``. A Hub id must be in the local HF
+    cache, or the Hub must answer for it within ``timeout`` seconds.
+    """
+    path = Path(value).expanduser()
+    if path.is_dir():
+        if needs_config and not (path / "config.json").exists():
+            raise ConfigError(f"{key}={value}: no HF model in that folder (config.json is missing)")
+        return
+    if path.exists():
+        raise ConfigError(f"{key}={value} is a file; point it at a model folder or a Hugging Face Hub id")
+    if not is_hub_id(value):
+        raise ConfigError(f"{key}={value}: no such folder (and it is not a Hugging Face Hub id like 'org/name')")
+    from huggingface_hub import model_info, try_to_load_from_cache
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(value, "config.json"), str):
+        return  # in the local HF cache: transformers finds it with or without network
+    local_hint = (f"Download it where the Hub is reachable (`hf download {value} --local-dir DIR`), copy DIR here "
+                  f"and set {key}=DIR")
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        raise ConfigError(f"{key}={value} is not a local folder, is not in the Hugging Face cache, and HF_HUB_OFFLINE "
+                          f"is set. {local_hint}")
+    try:
+        model_info(value, timeout=timeout)
+    except RepositoryNotFoundError:
+        raise ConfigError(f"{key}={value}: no such model on the Hugging Face Hub (a private or gated one needs "
+                          "`hf auth login`), and no such local folder") from None
+    except Exception as exc:  # no route, DNS, proxy, timeout: the Hub is out of reach
+        raise ConfigError(f"{key}={value} is not a local folder, and the Hugging Face Hub cannot be reached from "
+                          f"this machine ({type(exc).__name__}: {exc}). {local_hint}") from None
+
+
+def check_model_paths(model: object, key: str) -> None:
+    """:func:`check_model_path` for a role's ``model`` block (``key`` = ``actor.model``): ``path`` and
+    ``tokenizer_path`` when set."""
+    check_model_path(model.path, f"{key}.path")
+    if getattr(model, "tokenizer_path", None):
+        check_model_path(model.tokenizer_path, f"{key}.tokenizer_path", needs_config=False)

@@ -1,0 +1,45 @@
+"""``start_ray``: a local Ray on loopback without a dashboard, Ray's auth left alone; a cluster address joins it."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from polyrl.trainer.workers import start_ray
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    import ray
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    return calls
+
+
+def _config(address: str = "") -> SimpleNamespace:
+    return SimpleNamespace(trainer=SimpleNamespace(ray_address=address, ray_num_cpus=2, n_workers=1, rollout_workers=1))
+
+
+def test_local_ray_binds_loopback_and_keeps_auth(fake_ray, monkeypatch, tmp_path):
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    assert start_ray(_config(), tmp_path)
+    (kw,) = fake_ray
+    assert kw["_node_ip_address"] == "127.0.0.1" and kw["include_dashboard"] is False
+    assert "RAY_AUTH_MODE" not in os.environ and "RAY_AUTH_MODE" not in kw["runtime_env"]["env_vars"]
+
+
+def test_workers_follow_the_drivers_auth_choice(fake_ray, monkeypatch, tmp_path):
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    start_ray(_config(), tmp_path)
+    assert fake_ray[0]["runtime_env"]["env_vars"]["RAY_AUTH_MODE"] == "disabled"
+
+
+def test_cluster_address_joins_the_cluster(fake_ray, tmp_path):
+    start_ray(_config("10.0.0.5:6379"), tmp_path)
+    (kw,) = fake_ray
+    assert kw["address"] == "10.0.0.5:6379" and "_node_ip_address" not in kw and "num_cpus" not in kw
+    assert not (tmp_path / "ray").exists()

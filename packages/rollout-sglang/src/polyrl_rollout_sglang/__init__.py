@@ -1,0 +1,1 @@
+"""polyrl-rollout-sglang: the SGLang rollout (registered as rollout ``sglang``)."""
