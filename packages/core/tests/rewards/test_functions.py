@@ -139,9 +139,12 @@ def test_math_verify_from_a_worker_thread_with_a_deadline():
     def check():
         results["ok"] = verifier("$\\boxed{\\frac{2}{4}}$", "\\frac{1}{2}")
         results["wrong"] = verifier("\\boxed{7}", "8")
-        verifier.timeout_s = 1e-4  # far less than any check takes: the deadline must fire, not hang
+        # a 200-term polynomial takes math_verify about 2 s here (1000 terms: 13 s); the deadline must fire,
+        # not hang (a trivial check with a tiny deadline can win the race on a busy machine)
+        slow = "\\boxed{" + "+".join(f"x^{{{i}}}" for i in range(200)) + "}"
+        verifier.timeout_s = 0.2
         try:
-            verifier("\\boxed{1}", "1")
+            verifier(slow, slow)
         except MathVerifyTimeout:
             results["timeout"] = True
         verifier.timeout_s = 60.0

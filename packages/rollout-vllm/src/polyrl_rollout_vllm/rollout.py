@@ -304,4 +304,11 @@ class VLLMRollout:
             self._thread.join(timeout=30)
             self.engine.shutdown()
             self.engine = None
+        if self.llm is not None:
+            # Stop the engine core and its executor now (with tensor parallelism: the worker processes and their
+            # zmq sockets). Left to the garbage collector, a later collection can block forever in zmq's
+            # Context.term on sockets that are still open.
+            core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
         self.llm = None

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from polyrl.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from polyrl.agent_loops.runner import BatchingClient, agent_metrics, collate, fold_tool_rewards, run_agent_loops
@@ -23,10 +24,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 
 __all__ = ["BatchingClient", "SingleTurnAgentLoop", "ToolAgentLoop", "agent_metrics", "collate",

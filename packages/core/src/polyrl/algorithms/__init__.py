@@ -13,11 +13,11 @@ losses, ``agg_loss``, ``kl_penalty``, KL controllers...) are importable from her
 
 from __future__ import annotations
 
-import importlib
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from polyrl.errors import RegistryError
+from polyrl.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from polyrl.algorithms.advantages import (
@@ -98,10 +98,7 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 class UnknownAlgorithmError(RegistryError, ValueError):

@@ -9,8 +9,9 @@ rank, run, concatenate the results).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from polyrl.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from polyrl.controller.worker_group import LocalWorkerGroup, RayWorkerGroup, WorkerGroup
@@ -24,10 +25,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 
 __all__ = ["LocalWorkerGroup", "RayWorkerGroup", "WorkerGroup"]

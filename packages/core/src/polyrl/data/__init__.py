@@ -9,8 +9,9 @@ A row::
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from polyrl.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from polyrl.data.dataset import RLDataLoader, RLDataset, load_rows, validate_row
@@ -25,10 +26,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 
 __all__ = ["RLDataLoader", "RLDataset", "load_rows", "validate_row"]

@@ -7,8 +7,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from polyrl.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from polyrl.platforms.base import CPUPlatform, CUDAPlatform, detect_platform, get_platform
@@ -31,10 +32,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 
 __all__ = ["PLATFORM_ENV", "CPUPlatform", "CUDAPlatform", "PlatformChoice", "assign_visible_devices", "detect_platform",

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from polyrl.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from polyrl.rewards.config import RewardConfig
@@ -22,10 +23,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 
 __all__ = ["BatchRewardManager", "DAPORewardManager", "NaiveRewardManager", "RewardConfig", "default_compute_score", "load_compute_score"]
