@@ -42,3 +42,13 @@ def test_cli_unknown_key_exits_2_with_clean_message(base_overrides, manifest_fil
     assert proc.returncode == 2
     assert "Did you mean 'trainer.total_steps'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("estimator", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_estimator_needing_sum_pi_squared_is_refused_before_workers_start(base_overrides, manifest_file, tmp_path,
+                                                                          estimator):
+    from polyrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="sum_pi_squared"):
+        train(manifest_file, [], base_overrides + ["trainer.executor=local", f"algorithm.adv_estimator={estimator}"])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -91,3 +91,31 @@ def test_unknown_kind_is_a_usage_error(tmp_path):
     with pytest.raises(SystemExit) as exc:
         main(["new-plugin", "mine", "--kind", "sampler", "--dest", str(tmp_path)])
     assert exc.value.code == 2
+
+
+def test_description_with_quotes_and_backslashes_is_escaped(tmp_path):
+    import ast
+
+    text = 'Scores "exact" answers, C:\\path\\ and {braces} \u2603 "'
+    for kind in KINDS:
+        assert main(["new-plugin", f"q-{kind}", "--kind", kind, "--dest", str(tmp_path), "--description", text]) == 0
+        root = tmp_path / f"polyrl-q-{kind}"
+        assert tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]["description"] == text
+        module = root / "src" / f"polyrl_q_{kind.replace('-', '_')}"
+        assert ast.get_docstring(ast.parse((module / "__init__.py").read_text(encoding="utf-8"))) == text
+        hooks = ast.parse((module / "hooks.py").read_text(encoding="utf-8"))
+        descriptions = [kw.value.value for node in ast.walk(hooks) if isinstance(node, ast.Call)
+                        for kw in node.keywords if kw.arg == "description" and isinstance(kw.value, ast.Constant)]
+        assert descriptions
+        if "{{description_str}}" in (ROOT / f"packages/core/src/polyrl/plugin_template/files/{kind}/hooks.py.tmpl"
+                                     ).read_text():
+            assert descriptions == [text]
+        assert text in (root / "README.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("text", ["uses {{name}} here", "a }} b", "two\nlines"])
+def test_description_the_templates_cannot_hold_is_refused(tmp_path, capsys, text):
+    assert main(["new-plugin", "mine", "--kind", "reward", "--dest", str(tmp_path), "--description", text]) == 2
+    err = capsys.readouterr().err
+    assert "--description" in err and "Traceback" not in err
+    assert not (tmp_path / "polyrl-mine").exists()

@@ -399,7 +399,8 @@ class AgentLoopOutput:
 class AgentLoop(Protocol):
     """Drives generation for one sample: single-turn, multi-turn with tools, ...
 
-    Built as ``factory(tokenizer=..., config=..., tools=...)`` once per worker.
+    Built as ``factory(tokenizer=..., config=..., tools=...)`` once per worker; a factory that
+    also takes ``max_prompt_length`` gets ``data.max_prompt_length`` (to check a prompt it re-renders).
     ``sample`` is a dataset row (``prompt`` messages, ``prompt_ids``,
     ``extra_info``...). ``client.agenerate`` samples from the current policy.
     """

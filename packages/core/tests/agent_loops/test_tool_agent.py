@@ -377,3 +377,52 @@ def test_extras_reach_the_batch():
     with pytest.raises(ValueError, match="'responses' would overwrite"):
         collate([AgentLoopOutput([1], [2], [1], extra={"responses": 1})], pad_token_id=0, max_prompt_length=2,
                 max_response_length=2)
+
+
+def test_a_prompt_with_tool_schemas_longer_than_max_prompt_length_is_a_data_error(tiny_tokenizer, tools):
+    """collate would cut the prompt's start, so training would see another context than sampling did."""
+    import copy
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = "{% if tools %}<|system|>{{ tools | tojson }}\n{% endif %}" + tok.chat_template
+    sample = make_sample(tok)
+    with_tools = tok.apply_chat_template(sample["prompt"], tools=[t.schema for t in tools.values()],
+                                         add_generation_prompt=True, tokenize=True)
+    with_tools = list(with_tools["input_ids"]) if hasattr(with_tools, "keys") else list(with_tools)
+    assert len(with_tools) > len(sample["prompt_ids"]) + 20  # the schemas are in the prompt
+
+    def loop(max_prompt_length):
+        return ToolAgentLoop(tokenizer=tok, config=AgentConfig(tools=list(tools), tools_in_prompt=True), tools=tools,
+                             parser=HermesParser(), max_prompt_length=max_prompt_length)
+
+    with pytest.raises(DataError) as err:
+        run(loop(len(with_tools) - 1), sample, ScriptedClient(tok, ["56088"]))
+    message = str(err.value)
+    assert "uid u0" in message and f"is {len(with_tools)} tokens" in message
+    assert "data.max_prompt_length" in message and "agent.tools_in_prompt" in message
+    assert run(loop(len(with_tools)), sample, ScriptedClient(tok, ["56088"])).prompt_ids == with_tools
+
+
+def test_the_worker_passes_max_prompt_length_to_loops_that_take_it():
+    from polyrl.agent_loops import SingleTurnAgentLoop
+    from polyrl.controller.worker import _takes_keyword
+
+    assert _takes_keyword(ToolAgentLoop, "max_prompt_length")
+    assert not _takes_keyword(SingleTurnAgentLoop, "max_prompt_length")  # the protocol's three arguments only
+    assert _takes_keyword(lambda **kwargs: None, "max_prompt_length")
+
+
+def test_a_rollout_worker_gives_tool_agent_data_max_prompt_length(tiny_model_dir):
+    from polyrl.config.schema import PolyrlConfig
+    from polyrl.controller.worker import Worker
+
+    config = PolyrlConfig()
+    config.actor.model.path = str(tiny_model_dir)
+    config.trainer.device = "cpu"
+    config.data.max_prompt_length = 77
+    worker = Worker(rank=0, world_size=1, config=config, roles=["rollout"], manifest=None)
+    try:
+        assert worker.agent_loops["tool_agent"].max_prompt_length == 77
+        assert "single_turn" in worker.agent_loops  # built with the protocol's three arguments
+    finally:
+        worker.close()

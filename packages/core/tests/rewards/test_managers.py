@@ -146,3 +146,27 @@ def test_batch_manager_wrong_length_is_a_failure(tiny_tokenizer):
     manager = BatchRewardManager(tokenizer=tiny_tokenizer, compute_score=lambda *a: "oops")
     out = manager(make_batch(tiny_tokenizer, ["4", "5"], ["4", "4"]))
     assert out.metrics["reward/failures"] == 2 and out.token_level_scores.sum().item() == 0.0
+
+
+def test_a_failed_sample_gets_zero_in_numeric_extra_columns(tiny_tokenizer):
+    # the trainer reads `acc` with float(): a failed call (no extra fields) must not leave None there
+    def score(data_source, solution_str, ground_truth, extra_info=None):
+        if ground_truth == "boom":
+            raise RuntimeError("boom")
+        return {"score": 1.0, "acc": 1.0, "pred": solution_str}
+
+    batch = make_batch(tiny_tokenizer, ["12", "7"], ["12", "boom"])
+    out = NaiveRewardManager(tokenizer=tiny_tokenizer, compute_score=score)(batch)
+    assert out.extra["acc"] == [1.0, 0.0]
+    assert out.extra["pred"][1] is None
+    assert out.metrics["reward/failures"] == 1
+
+
+def test_a_base_exception_in_a_reward_thread_is_a_failure_not_a_hang(tiny_tokenizer):
+    def score(data_source, solution_str, ground_truth, extra_info=None):
+        raise SystemExit("a library gave up")
+
+    batch = make_batch(tiny_tokenizer, ["12"], ["12"])
+    out = NaiveRewardManager(tokenizer=tiny_tokenizer, compute_score=score,
+                             config=RewardConfig(timeout_s=0, num_workers=2))(batch)
+    assert out.metrics["reward/failures"] == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import tempfile
 import time
 
 import pytest
@@ -92,7 +93,83 @@ def test_infinite_loop_is_killed(box):
     start = time.monotonic()
     r = box.run("while True:\n    pass")
     assert not r.ok and time.monotonic() - start < 6
-    assert "CPU limit" in r.error or "timed out" in r.error
+    assert r.error == "CPU time limit of 2 s exceeded" and r.returncode != 0 and not r.timed_out
+
+
+@needs_ns
+def test_cpu_limit_is_reported_even_when_the_code_ignores_sigxcpu():
+    # PID 1 of the namespace: the hard limit's SIGKILL ends it; unshare's complaint is not the code's output
+    box = Sandbox(SandboxLimits(timeout_s=15, cpu_s=1, memory_mb=256))
+    r = box.run("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass")
+    assert r.error == "CPU time limit of 1 s exceeded" and not r.ok and not r.timed_out
+    assert "sigprocmask" not in r.stdout and "unshare" not in r.stdout
+
+
+@needs_ns
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/etc/shadow"), reason="needs a root trainer")
+def test_a_root_trainer_is_not_root_in_the_sandbox(box):
+    assert os.access("/etc/shadow", os.R_OK)  # the trainer (host root) can read it
+    r = box.run("print(open('/etc/shadow').read())")
+    assert not r.ok and "PermissionError" in r.stdout and "root:" not in r.stdout
+    # RLIMIT_NPROC applies (it never applies to the host's root)
+    r = box.run("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+                "            time.sleep(3)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n"
+                "    print(type(e).__name__)\nprint(n)")
+    assert r.ok and r.stdout.split()[0] == "BlockingIOError" and int(r.stdout.split()[1]) < 8
+
+
+@needs_ns
+def test_scratch_is_a_size_limited_tmpfs(box):
+    r = box.run("import os\nst = os.statvfs('/scratch')\nprint(st.f_blocks * st.f_frsize >> 20, flush=True)\n"
+                "for i in range(10):\n    open(f'f{i}', 'wb').write(b'x' * (10 << 20))")
+    assert int(r.stdout.split()[0]) <= 64 and "No space left on device" in r.stdout and not r.ok
+
+
+@needs_ns
+def test_calls_leave_nothing_in_tmp(box):
+    def ours():
+        return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("polyrl-")}
+
+    before = ours()
+    for _ in range(3):
+        assert box.run("print(1)").ok
+    assert ours() <= before
+
+
+@needs_ns
+def test_a_setup_failure_is_an_explicit_error():
+    r = Sandbox(python="/nonexistent/python3").run("print(1)")
+    assert r.error.startswith("sandbox setup failed: ") and "/nonexistent/python3" in r.error and not r.ok
+
+
+def test_the_probe_runs_the_real_setup(monkeypatch):
+    import polyrl.tools.sandbox as sandbox
+    from polyrl.tools.sandbox import SandboxResult
+
+    seen = []
+
+    def failing(self, code):
+        seen.append(code)
+        return SandboxResult("mount: /proc: permission denied", "", 32, error="sandbox setup failed: mount: /proc")
+
+    monkeypatch.setattr(sandbox, "_NS_PROBE", None)
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name, path=None: "/usr/bin/" + name)
+    monkeypatch.setattr(sandbox.Sandbox, "_run_isolated", failing)
+    ok, why = namespaces_available()
+    assert not ok and seen == ["pass"] and "mount: /proc" in why
+    r = Sandbox().run("print(1)")
+    assert "python sandbox unavailable" in r.error and seen == ["pass"]  # probed once
+
+
+def test_arun_does_not_queue_behind_the_default_thread_pool():
+    box = Sandbox(SandboxLimits(timeout_s=10, cpu_s=5, memory_mb=256), isolation="none")
+
+    async def many():
+        return await asyncio.gather(*(box.arun("import time\ntime.sleep(1.5)") for _ in range(40)))
+
+    start = time.monotonic()
+    results = asyncio.run(many())
+    assert all(r.ok for r in results) and time.monotonic() - start < 6  # 40 calls at once, not 6 at a time
 
 
 @needs_ns
@@ -133,14 +210,14 @@ def test_python_tool_reports_escapes_as_tool_errors_and_keeps_going():
     env = tok.decode([t for t, m in zip(out.response_ids, out.response_mask) if not m])
     assert out.metrics["tool_errors"] == 2 and out.metrics["tool_calls"] == 3 and out.finish_reason == "stop"
     assert "Network is unreachable" in env or "OSError" in env
-    assert "CPU limit" in env or "timed out" in env
+    assert "CPU time limit" in env or "timed out" in env
     assert "4" in env
 
 
 def test_missing_namespaces_is_a_clear_tool_error(monkeypatch):
     import polyrl.tools.sandbox as sandbox
 
-    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name, path=None: None)
     r = Sandbox().run("print(1)")
     assert not r.ok and "python sandbox unavailable" in r.error and "isolation: none" in r.error
     with pytest.raises(RuntimeError, match="sandbox unavailable"):
@@ -152,7 +229,7 @@ def test_isolation_none_still_limits(tmp_path):
     r = box.run("import os\nprint(os.getcwd().startswith('/tmp') or 'scratch' in os.getcwd())\nprint(len(os.environ))")
     assert r.ok and r.stdout.split() == ["True", "3"]
     assert not box.run("x = bytearray(2 << 30)").ok
-    assert "CPU limit" in box.run("while True: pass").error or "timed out" in box.run("while True: pass").error
+    assert box.run("while True: pass").error == "CPU time limit of 1 s exceeded"
     with pytest.raises(ValueError, match="isolation='chroot'"):
         Sandbox(isolation="chroot")
 

@@ -71,6 +71,9 @@ def test_config_differences_names_keys_and_honours_overrides():
     current = {"actor": {"optim": {"lr": 2e-3, "total_steps": 8}}, "trainer": {"total_steps": 4}, "data": {"seed": 2}}
     assert config_differences(saved, current) == [("actor.optim.lr", 1e-3, 2e-3), ("data.seed", 1, 2)]
     assert config_differences(saved, current, ["actor.optim"]) == [("data.seed", 1, 2)]
+    # a key allowed under a mapping that was empty in the checkpoint
+    assert config_differences({"algorithm": {"extra": {}}}, {"algorithm": {"extra": {"pass_k": 4}}},
+                              ["algorithm.extra.pass_k"]) == []
 
 
 def test_second_lock_is_refused_with_the_holders_pid_and_host(tmp_path):
@@ -112,3 +115,22 @@ def test_impossible_run_dir_is_a_config_error(tmp_path):
         ro.chmod(0o500)
         with pytest.raises(ConfigError, match="not writable|cannot create"):
             prepare_run_dir(ro / "run")
+
+
+def _short(text: str) -> bytes:
+    raw = text.encode()
+    return b"\x8c" + bytes([len(raw)]) + raw  # SHORT_BINUNICODE
+
+
+def test_dcp_metadata_with_a_dotted_global_runs_nothing(tmp_path):
+    # pickle resolves a dotted name attribute by attribute: an allow-listed module prefix must not reach
+    # os.system through ``torch.distributed.checkpoint.filesystem`` + ``os.system``
+    from polyrl.trainer.checkpoint import check_dcp_metadata
+
+    marker = tmp_path / "pwned"
+    payload = (b"\x80\x04" + _short("torch.distributed.checkpoint.filesystem") + _short("os.system") + b"\x93"
+               + _short(f"touch {marker}") + b"\x85R.")
+    (tmp_path / ".metadata").write_bytes(payload)
+    with pytest.raises(CheckpointError, match="not allowed"):
+        check_dcp_metadata(tmp_path)
+    assert not marker.exists()

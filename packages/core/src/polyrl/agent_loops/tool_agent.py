@@ -40,10 +40,14 @@ class ToolAgentLoop:
     ``config`` is the run's ``agent`` block (:class:`polyrl.config.schema.AgentConfig`);
     ``tools`` maps names to built tools. A row restricts its tools with ``tools`` or
     ``extra_info.tools`` (a list of names); without either it may use every tool.
+    ``max_prompt_length`` is the run's ``data.max_prompt_length`` (the worker passes it):
+    a prompt re-rendered with the tool schemas (``agent.tools_in_prompt``) longer than it
+    is a :class:`~polyrl.errors.DataError` (``None``: not checked). The response budget
+    is ``sampling_params.max_new_tokens`` (``data.max_response_length`` in a run).
     """
 
     def __init__(self, *, tokenizer: Any, config: Any = None, tools: Mapping[str, Any] | None = None,
-                 parser: Any = None) -> None:
+                 parser: Any = None, max_prompt_length: int | None = None) -> None:
         from polyrl.config.schema import AgentConfig
 
         self.tokenizer = tokenizer
@@ -51,8 +55,7 @@ class ToolAgentLoop:
         self.tools = dict(tools or {})
         self._parser = parser
         self._template_checked = False
-        self.max_prompt_length = int(getattr(self.config, "max_prompt_length", 0) or 0)
-        self.max_response_length = int(getattr(self.config, "max_response_length", 0) or 0)
+        self.max_prompt_length = max_prompt_length
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -111,7 +114,16 @@ class ToolAgentLoop:
                                                      tokenize=True)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
-            return list(ids)
+            ids = list(ids)
+            limit = self.max_prompt_length
+            if limit and len(ids) > limit:
+                # collate would cut the prompt's start: training would see another context than sampling did
+                raise DataError(
+                    f"tool_agent: row uid {sample.get('uid')} (data_source {sample.get('data_source')!r}): its prompt "
+                    f"with the schemas of tools {allowed} is {len(ids)} tokens, longer than data.max_prompt_length="
+                    f"{limit}. Raise data.max_prompt_length, set agent.tools_in_prompt=false (and describe the tools "
+                    "in the prompt yourself), or give the row fewer tools (its tools / extra_info.tools)")
+            return ids
         if "prompt_ids" not in sample:
             raise DataError(f"tool_agent: row uid {sample.get('uid')} has neither 'prompt' messages nor 'prompt_ids'")
         return list(sample["prompt_ids"])
@@ -141,7 +153,7 @@ class ToolAgentLoop:
         cfg = self.config
         allowed = self.allowed_tools(sample)
         prompt_ids = self._prompt_ids(sample, allowed)
-        budget = self.max_response_length or sampling_params.max_new_tokens
+        budget = sampling_params.max_new_tokens
         response: list[int] = []
         mask: list[int] = []
         logps: list[float] = []

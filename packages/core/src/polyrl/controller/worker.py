@@ -123,7 +123,11 @@ class Worker:
         tools = build_tools(self.agent_config.tools, self.pm)
         loops = {}
         for entry in self.pm.registry("agent_loop").entries():
-            loops[entry.name] = entry.load()(tokenizer=self.tokenizer, config=self.agent_config, tools=tools)
+            factory = entry.load()
+            kwargs = {"tokenizer": self.tokenizer, "config": self.agent_config, "tools": tools}
+            if _takes_keyword(factory, "max_prompt_length"):  # optional: loops that re-render the prompt check it
+                kwargs["max_prompt_length"] = self.config.data.max_prompt_length
+            loops[entry.name] = factory(**kwargs)
         self.agent_loops = loops
         self.client = (
             self.rollout if self.rollout.capabilities.async_generate
@@ -146,6 +150,10 @@ class Worker:
         var = self.platform.visible_devices_env
         if var and device_ids:
             os.environ[var] = ",".join(device_ids)
+            # aliases a platform keeps in step with its variable (ROCm: CUDA_VISIBLE_DEVICES = HIP_VISIBLE_DEVICES)
+            for key, value in self.platform.worker_env().items():
+                if key.endswith("VISIBLE_DEVICES"):
+                    os.environ[key] = value
         self._build_rollout()
         if not self.rollout.capabilities.tensor_parallel:
             from polyrl.errors import ConfigError
@@ -168,9 +176,9 @@ class Worker:
         if not self.replica_leader:
             self._lend_device_during_generation(validate)
             return None
-        if self.actor is not None and not validate:
-            self.actor.offload()
         try:
+            if self.actor is not None and not validate:
+                self.actor.offload()
             outputs = run_agent_loops(samples, sampling, self.client, self.agent_loops,
                                       default=self.agent_config.default_loop)
         finally:
@@ -314,6 +322,17 @@ class Worker:
                 logger.exception("rank %d: rollout shutdown failed", self.rank)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _takes_keyword(factory: Any, name: str) -> bool:
+    """Whether ``factory`` (a class or function) accepts the keyword argument ``name``."""
+    import inspect
+
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no signature to read (some builtins): pass only the protocol's arguments
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _barrier() -> None:

@@ -8,6 +8,7 @@ conformance suite of :mod:`polyrl.testing`. Placeholders are ``{{key}}``; see :f
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -82,19 +83,40 @@ def _render(text: str, values: dict[str, str], source: str) -> str:
     return text
 
 
+def _check_description(description: str) -> None:
+    """``PolyrlError`` naming ``--description`` for a description the templates cannot hold."""
+    if "{{" in description or "}}" in description:
+        raise PolyrlError(f"--description {description!r}: '{{{{' and '}}}}' are template placeholders; "
+                          "remove them (single braces are fine)")
+    bad = sorted({repr(c) for c in description if ord(c) < 32 or 127 <= ord(c) < 160})
+    if bad:
+        raise PolyrlError(f"--description {description!r}: one line of text, without control characters "
+                          f"({', '.join(bad)}); remove them")
+
+
+def _string_body(text: str) -> str:
+    """``text`` escaped for the inside of a double-quoted string, TOML basic and Python alike (``"`` and
+    ``\\``; the text holds no control characters)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
 def create_plugin(name: str, kind: str, dest: str | Path = ".", *, description: str | None = None) -> Path:
     """Write the package ``polyrl-NAME`` for a plugin of ``kind`` into ``dest`` and return its folder.
 
-    ``PolyrlError`` for an unknown kind, a bad name, or a folder that already exists (nothing is overwritten).
+    ``PolyrlError`` for an unknown kind, a bad name, a description with ``{{``/``}}`` or control characters,
+    or a folder that already exists (nothing is overwritten).
     """
     if kind not in KINDS:
         raise PolyrlError(f"unknown plugin kind {kind!r}; choose from {', '.join(KINDS)}")
+    if description is not None:
+        _check_description(description)
     spec = KINDS[kind]
     names = plugin_names(name)
     root = Path(dest) / names["dist"]
     if root.exists():
         raise PolyrlError(f"{root} already exists: choose another name or --dest, or remove it")
     deps = [_polyrl_range(), *spec.extra_dependencies]
+    text = description or spec.description.format(registered=names["registered"])
     values = {
         **names,
         "kind": kind,
@@ -102,7 +124,8 @@ def create_plugin(name: str, kind: str, dest: str | Path = ".", *, description: 
         "kind_plural": spec.plural,
         "kind_module": spec.module,
         "registry_kind": spec.registry,
-        "description": description or spec.description.format(registered=names["registered"]),
+        "description": text,  # as is (README)
+        "description_str": _string_body(text),  # inside "..." in TOML and Python
         "usage": spec.usage.format(registered=names["registered"]),
         "dependencies": ", ".join(f'"{d}"' for d in deps),
         "polyrl_range": _polyrl_range(),

@@ -142,7 +142,7 @@ def _verified(solution: str, truth: str) -> bool:
 def math_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict:
     """MATH (``lighteval/MATH``, MATH-500...): the response's answer (its last ``\\boxed{}``, or an expression)
     is checked against the ground truth by ``math-verify`` (symbolic equality), in a child process with a
-    time limit (:mod:`polyrl.rewards.math_verifier`). Needs ``pip install 'polyrl[math]'``."""
+    time limit (:mod:`polyrl.rewards.math_verifier`)."""
     truth = last_boxed(str(ground_truth)) or str(ground_truth)
     correct = _verified(solution_str, truth)
     return {"score": float(correct), "acc": float(correct)}

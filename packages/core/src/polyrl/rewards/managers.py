@@ -67,7 +67,7 @@ def run_calls(fn: Callable[..., Any], calls: Sequence[tuple], *, num_workers: in
                 started[i] = time.monotonic()
             try:
                 value = fn(*calls[i])
-            except Exception:
+            except BaseException:  # SystemExit, a library's own timeout...: still this call's failure, never a hang
                 value = _Failure("raised", traceback.format_exc())
             with lock:
                 if done[i]:  # timed out meanwhile: this thread was given up on
@@ -240,5 +240,11 @@ class DAPORewardManager(NaiveRewardManager):
 
 
 def _columns(extras: list[dict], n: int) -> dict[str, list]:
+    """Per-sample extra fields as columns. A sample without a field (a failed call returns none) gets 0.0 in a
+    numeric column (``acc``, GDPO's reward components: read with ``float``) and None in any other."""
     keys = {k for e in extras for k in e}
-    return {k: [e.get(k) for e in extras] for k in keys}
+    out: dict[str, list] = {}
+    for k in keys:
+        numeric = any(isinstance(e.get(k), numbers.Real) for e in extras)
+        out[k] = [e.get(k, 0.0 if numeric else None) for e in extras]
+    return out

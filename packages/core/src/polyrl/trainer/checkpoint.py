@@ -135,7 +135,8 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any],
     missing = object()
     saved_flat, current_flat = _flatten(saved), _flatten(current)
     for key in sorted(set(saved_flat) | set(current_flat)):
-        if any(key == f or key.startswith(f + ".") for f in free):
+        # an allowed key, a key under it, or an empty mapping above it (``algorithm.extra: {}`` -> ``.pass_k``)
+        if any(key == f or key.startswith(f + ".") or f.startswith(key + ".") for f in free):
             continue
         old, new = saved_flat.get(key, missing), current_flat.get(key, missing)
         if old != new:
@@ -189,11 +190,19 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
-        allowed = (module, name) in _DCP_GLOBALS or module.startswith("torch.distributed.checkpoint.") or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        # a dotted name is looked up attribute by attribute (``dcp.filesystem`` + ``os.system`` would reach
+        # os.system): only plain names, and from DCP's modules only its own classes (dataclasses, enums)
+        allowed = "." not in name and (
+            (module, name) in _DCP_GLOBALS or module.startswith("torch.distributed.checkpoint.")
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
         if not allowed:
             raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in checkpoint metadata")
-        return super().find_class(module, name)
+        obj = super().find_class(module, name)
+        if module.startswith("torch.distributed.checkpoint.") and not (
+                isinstance(obj, type) and obj.__module__.startswith("torch.distributed.checkpoint")):
+            raise pickle.UnpicklingError(f"global '{module}.{name}' is not one of torch.distributed.checkpoint's "
+                                         "own classes and is not allowed in checkpoint metadata")
+        return obj
 
 
 def check_dcp_metadata(folder: str | Path) -> None:

@@ -117,7 +117,15 @@ class PPOTrainer:
         # on-policy: the one update pass sees the policy that generated the batch (verl's dp_actor does the same)
         on_policy = cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
         self.skip_old_log_prob = mode == "auto" and on_policy and not cfg.algorithm.use_kl_in_reward
-        if "old_log_probs" in inspect.signature(self.adv_fn).parameters:  # optimal_token_baseline and kin read them
+        estimator_inputs = inspect.signature(self.adv_fn).parameters
+        if "sum_pi_squared" in estimator_inputs:
+            # before any worker starts: the engines do not return sum_pi_squared yet, so step 1 would fail
+            raise ConfigError(
+                f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs sum_pi_squared (the sum over the "
+                "vocabulary of p^2 per token) from the actor's log-prob pass, which the engines in this release do "
+                "not compute yet; choose another estimator (e.g. grpo) or call the estimator directly "
+                "(docs/algorithms.md)")
+        if "old_log_probs" in estimator_inputs:  # estimators that read the old policy's log-probs
             self.skip_old_log_prob = False
         self.rollout_corr = self._configure_rollout_correction()
         self.ckpt = CheckpointManager(self.run_dir, keep=cfg.trainer.max_checkpoints)

@@ -8,6 +8,7 @@ dead run never blocks the next one.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -53,7 +54,12 @@ class RunDirLock:
         f = open(self.path, "a+")  # noqa: SIM115 - held open for as long as the lock
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                f.close()  # not "held by another run": this filesystem cannot lock (some FUSE, NFS, Lustre mounts)
+                raise ConfigError(
+                    f"trainer.run_dir: cannot lock {self.path} ({exc.strerror or exc}); this filesystem does not "
+                    "support file locks. Choose a trainer.run_dir on a local filesystem.") from None
             f.seek(0)
             holder = _holder(f.read())
             f.close()
