@@ -302,6 +302,11 @@ class VLLMRollout:
             # exit as an EngineDeadError
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
+            # Close the loop before the engine: vLLM then closes its asyncio zmq sockets at once. On a stopped but
+            # open loop it only schedules that (never run), and the open sockets later make the garbage
+            # collector's zmq Context.term block forever (seen building the next engine in the same process).
+            if not self._thread.is_alive():
+                self._loop.close()
             self.engine.shutdown()
             self.engine = None
         if self.llm is not None:
