@@ -45,7 +45,7 @@ def test_grpo_ray_two_workers(base_overrides, manifest_file, tmp_path):
     rows = _check_run(tmp_path / "run", 2)
     assert all(r["batch/rank_tokens_max_over_mean"] >= 1.0 for r in rows)
     log = (tmp_path / "run" / "train.log").read_text()  # the driver's and every worker's records, one file
-    assert "INFO polyrl.platforms: platform cpu" in log and "[worker rank 1] polyrl.controller.worker:" in log
+    assert "INFO polyrl.platforms: platform cpu" in log and "[worker rank 1] polyrl.trainer.role_worker:" in log
 
 
 def test_balancing_the_ranks_trains_the_same(base_overrides, manifest_file, tmp_path):

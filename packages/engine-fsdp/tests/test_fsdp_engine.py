@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyrl.controller.distributed import free_port
+from polyrl.distributed import free_port
 from polyrl.errors import CheckpointError, ConfigError
 from polyrl.testing import EngineConformance
 
@@ -42,7 +42,8 @@ def _hf_log_probs(model, b, row: int) -> torch.Tensor:
 
 
 def _run_group(world: int, model_dir: Path, out: Path, scenario: str = "plain") -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p))
     for _attempt in range(3):  # the free port can be taken by another process before rank 0 binds it
         port = str(free_port())
         procs = [subprocess.Popen([sys.executable, str(HERE / "dist_worker.py"), str(r), str(world), port,
@@ -456,7 +457,8 @@ def test_on_cuda(model_dir, tmp_path):
     import json
 
     port = str(free_port())
-    env = dict(os.environ, PYTHONPATH=str(HERE))
+    # prepend: the child must still find polyrl where this process does (a --target install, PYTHONPATH)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p))
     done = subprocess.run([sys.executable, str(HERE / "dist_worker.py"), "0", "1", port, str(model_dir), str(tmp_path),
                            "cuda"], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -270,9 +270,19 @@ class Engine(Protocol):
         """Number of data-parallel shards of the batch."""
         ...
 
-    def train_batch(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:
+    # Optional (read with ``getattr(engine, "collects_output", True)``): whether the driver keeps this rank's
+    # results. Exactly one rank of each data-parallel group does (Megatron: tensor-parallel rank 0 on the last
+    # pipeline stage); the other ranks of the group get the same shard and their results are dropped.
+    #
+    # Optional on the engine's factory (a static or class method): ``data_parallel_size(role_config,
+    # world_size) -> int``, the data-parallel size a group of ``world_size`` ranks will have. The trainer checks
+    # batch sizes against it before any worker starts; a factory without it is pure data-parallel.
+
+    def train_batch(self, batch: TensorDict, loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step on this rank's shard of a mini-batch.
 
+        Log-probabilities in the forward pass are taken at ``temperature`` (the
+        rollout's, so that training and ``infer_batch`` see the same distribution).
         Splits ``batch`` into micro-batches (fixed size or by token budget),
         runs forward, ``loss_fn``, backward for each, then clips the global
         gradient norm, steps the optimizer and the LR schedule. Returns metrics

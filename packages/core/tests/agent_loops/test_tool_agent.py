@@ -405,7 +405,7 @@ def test_a_prompt_with_tool_schemas_longer_than_max_prompt_length_is_a_data_erro
 
 def test_the_worker_passes_max_prompt_length_to_loops_that_take_it():
     from polyrl.agent_loops import SingleTurnAgentLoop
-    from polyrl.controller.worker import _takes_keyword
+    from polyrl.trainer.role_worker import _takes_keyword
 
     assert _takes_keyword(ToolAgentLoop, "max_prompt_length")
     assert not _takes_keyword(SingleTurnAgentLoop, "max_prompt_length")  # the protocol's three arguments only
@@ -414,7 +414,7 @@ def test_the_worker_passes_max_prompt_length_to_loops_that_take_it():
 
 def test_a_rollout_worker_gives_tool_agent_data_max_prompt_length(tiny_model_dir):
     from polyrl.config.schema import PolyrlConfig
-    from polyrl.controller.worker import Worker
+    from polyrl.trainer.role_worker import Worker
 
     config = PolyrlConfig()
     config.actor.model.path = str(tiny_model_dir)

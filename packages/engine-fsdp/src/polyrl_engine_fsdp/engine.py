@@ -130,6 +130,9 @@ def _chunk_logprob(h, y, weight, bias, temperature: float, compute_entropy: bool
 class FSDPEngine:
     """FSDP2 engine for the ``actor``, ``ref`` (no optimizer) and ``critic`` (``model_type="value"``) roles."""
 
+    #: Batch fields ``train_batch`` needs (a subclass with another forward pass names its own).
+    required_fields: tuple[str, ...] = _NEEDED
+
     def __init__(self, config: Any, *, role: str, model_type: str = "causal_lm", platform: Any = None) -> None:
         from polyrl.platforms import detect_platform
 
@@ -139,7 +142,6 @@ class FSDPEngine:
         self.fsdp: FSDPConfig = config.plugin_config if isinstance(config.plugin_config, FSDPConfig) else FSDPConfig()
         self.platform = platform or detect_platform()
         self.device = self.platform.current_device()
-        self.temperature = 1.0
         _ensure_process_group(self.platform.dist_backend)
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
         self.step = 0
@@ -164,8 +166,6 @@ class FSDPEngine:
         return self._world
 
     def _build_model(self) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         from transformers import AutoConfig
 
         mcfg = self.config.model
@@ -198,6 +198,14 @@ class FSDPEngine:
         if self.lora:
             model = self._apply_lora(model, mcfg.lora)
         root = _Head(model, self.model_type, max(1, self.config.logits_chunk_size))
+        self._shard_root(root, model, dtype)
+
+    def _shard_root(self, root: nn.Module, model: nn.Module, dtype: torch.dtype) -> None:
+        """``self.module``: ``root`` fully_shard-ed (each of ``model``'s ``_no_split_modules`` layers, then the root)
+        on the device, or left whole on every rank when one rank holds a copy (shared with polyrl-diffusion)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
         shard_ranks = self._shard_ranks()
         # One rank per shard and nothing FSDP-specific asked for: a plain module on every rank (DDP-like).
         # fully_shard over one rank would only add a copy-in/copy-out of every layer per pass.
@@ -403,9 +411,10 @@ class FSDPEngine:
         mask = batch["response_mask"].float()
         return TensorDict({k: v * mask for k, v in result.items()}, batch_size=batch.batch_size)
 
-    def train_batch(self, batch: TensorDict, loss_fn: Any) -> dict[str, float]:
-        """One optimizer step on this rank's shard (see :meth:`polyrl.protocols.Engine.train_batch`)."""
-        require_fields(batch, _NEEDED, f"{self.role} engine train_batch")
+    def train_batch(self, batch: TensorDict, loss_fn: Any, *, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step on this rank's shard at ``temperature`` (see
+        :meth:`polyrl.protocols.Engine.train_batch`)."""
+        require_fields(batch, self.required_fields, f"{self.role} engine train_batch")
         if self.optimizer is None:
             raise RuntimeError(f"the {self.role} engine has no optimizer (role 'ref' only infers)")
         self.module.train()
@@ -417,7 +426,7 @@ class FSDPEngine:
         real = max(1, sum(rows is not None for rows in splits))
         for rows in splits:
             mb = self._padding_micro_batch(batch) if rows is None else batch[rows]
-            out, trimmed = self._forward(mb, self.temperature, compute_entropy=self.model_type != "value")
+            out, trimmed = self._forward(mb, temperature, compute_entropy=self.model_type != "value")
             loss, m = loss_fn(out, trimmed.to(self.device), scale)
             loss.backward()
             if rows is not None:  # a padding micro-batch's metrics would dilute the mean
@@ -662,7 +671,7 @@ class FSDPEngine:
 def _ensure_process_group(backend: str) -> None:
     if dist.is_initialized():
         return
-    from polyrl.controller.distributed import free_port, init_distributed
+    from polyrl.distributed import free_port, init_distributed
 
     init_distributed(backend, 0, 1, os.environ.get("MASTER_ADDR", "127.0.0.1"),
                      int(os.environ.get("MASTER_PORT", 0)) or free_port())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tensordict import TensorDict
@@ -31,9 +32,62 @@ class WorkerGroup(Protocol):
         """Split ``batch`` by data-parallel rank, call ``method`` on each shard, concatenate."""
         ...
 
+    def dp_size(self, method: str) -> int:
+        """How many data-parallel shards :meth:`dispatch` splits the batches of ``method`` into."""
+        ...
+
     def shutdown(self) -> None:
         """Stop the workers."""
         ...
+
+
+@dataclass(frozen=True)
+class DPLayout:
+    """Where each rank sits for one dispatched method: ranks of one data-parallel group get the same shard,
+    and the group's collector returns the result (verl: dispatch by DP, collect from TP rank 0 on the last
+    pipeline stage)."""
+
+    dp_rank: tuple[int, ...]
+    dp_size: int
+    collects: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, reports: Sequence[tuple[int, int, bool]], method: str) -> DPLayout:
+        """Check the ranks' ``(dp_rank, dp_size, collects_output)`` reports and build the layout."""
+        sizes = {int(r[1]) for r in reports}
+        if len(sizes) != 1:
+            raise RuntimeError(f"{method}: the ranks disagree on the data-parallel size ({sorted(sizes)})")
+        size = sizes.pop()
+        ranks = tuple(int(r[0]) for r in reports)
+        collects = tuple(bool(r[2]) for r in reports)
+        if size < 1 or any(not 0 <= d < size for d in ranks):
+            raise RuntimeError(f"{method}: data-parallel ranks {ranks} do not fit a data-parallel size of {size}")
+        per_group = [sum(c for d, c in zip(ranks, collects) if d == g) for g in range(size)]
+        if per_group != [1] * size:
+            raise RuntimeError(f"{method}: each data-parallel group needs exactly one rank that collects its output; "
+                               f"collectors per group: {per_group} (ranks {ranks}, collects {collects})")
+        return cls(ranks, size, collects)
+
+    @classmethod
+    def by_rank(cls, world_size: int) -> DPLayout:
+        """Every rank is its own data-parallel group (pure data parallelism)."""
+        return cls(tuple(range(world_size)), world_size, (True,) * world_size)
+
+    def gather(self, results: Sequence[Any]) -> list[Any]:
+        """The collectors' results, in data-parallel order."""
+        out: list[Any] = [None] * self.dp_size
+        for d, c, r in zip(self.dp_rank, self.collects, results):
+            if c:
+                out[d] = r
+        return out
+
+
+def _merge(results: list[Any]) -> Any:
+    if isinstance(results[0], TensorDict):
+        return batch_ops.concat(results)
+    if isinstance(results[0], list):
+        return [x for r in results for x in r]
+    return results
 
 
 def _split_rows(rows: Any, parts: int) -> list[Any]:
@@ -64,6 +118,9 @@ class LocalWorkerGroup:
     def dispatch(self, method: str, batch: Any, **kwargs: Any) -> Any:
         return getattr(self.worker, method)(batch, **kwargs)
 
+    def dp_size(self, method: str) -> int:
+        return 1
+
     def shutdown(self) -> None:
         close = getattr(self.worker, "close", None)
         if close is not None:
@@ -89,16 +146,26 @@ class RayWorkerGroup:
         resources_per_worker: dict[str, float] | None = None,
         env: dict[str, str] | None = None,
         name: str = "workers",
+        strategy: str = "PACK",
         **init_kwargs: Any,
     ) -> None:
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.world_size = world_size
         bundle = dict(resources_per_worker or {"CPU": 1})
-        self.placement_group = placement_group([bundle] * world_size, strategy="PACK", name=f"polyrl-{name}")
-        ray.get(self.placement_group.ready(), timeout=600)
+        # strategy (trainer.placement_strategy): PACK fills as few nodes as it can and spreads a group that does
+        # not fit one node over several; the STRICT_ variants refuse instead
+        self.placement_group = placement_group([bundle] * world_size, strategy=strategy, name=f"polyrl-{name}")
+        try:
+            ray.get(self.placement_group.ready(), timeout=600)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.placement_group)
+            raise RuntimeError(
+                f"worker group '{name}': Ray could not place {world_size} worker(s) of {bundle} each with strategy "
+                f"{strategy} in 600 s (cluster resources: {ray.cluster_resources()}). Add nodes or resources, "
+                "lower trainer.n_workers / trainer.rollout_workers, or relax trainer.placement_strategy") from None
         env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
         # Each worker learns its position on its node as LOCAL_RANK (torchrun's convention); the platform
         # binds the device from it and from the device ids Ray assigned (polyrl.platforms.placement).
@@ -106,6 +173,11 @@ class RayWorkerGroup:
         #: The Ray node id of each rank (rollout replicas must not span nodes: polyrl.rollout.replicas).
         self.node_ids = nodes
         self.local_ranks = node_local_ranks(nodes)
+        if "master_port" in init_kwargs and "master_addr" not in init_kwargs:
+            # torch.distributed meets at rank 0's node (loopback when every rank is on the driver's node)
+            from polyrl.controller.cluster import rendezvous_address
+
+            init_kwargs["master_addr"], init_kwargs["master_port"] = rendezvous_address(nodes)
         remote_cls = ray.remote(worker_cls)
         options: dict[str, Any] = {"num_cpus": bundle.get("CPU", 1)}
         extra = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
@@ -125,6 +197,21 @@ class RayWorkerGroup:
         ]
         # Constructors run concurrently (they meet in init_process_group); wait for all.
         ray.get([w.ready.remote() for w in self.workers])
+        self._worker_cls = worker_cls
+        self._layouts: dict[str, DPLayout] = {}
+
+    def layout(self, method: str) -> DPLayout:
+        """The data-parallel layout of ``method``'s batches, asked of every rank once (``dp_layout``);
+        worker classes without ``dp_layout`` split by rank."""
+        if method not in self._layouts:
+            if hasattr(self._worker_cls, "dp_layout"):
+                self._layouts[method] = DPLayout.of(self.call_all("dp_layout", method), method)
+            else:
+                self._layouts[method] = DPLayout.by_rank(self.world_size)
+        return self._layouts[method]
+
+    def dp_size(self, method: str) -> int:
+        return self.layout(method).dp_size
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         import ray
@@ -137,13 +224,16 @@ class RayWorkerGroup:
         return ray.get([getattr(w, method).remote(*a, **kwargs) for w, a in zip(self.workers, per_rank_args)])
 
     def dispatch(self, method: str, batch: Any, **kwargs: Any) -> Any:
-        shards = _split_rows(batch, self.world_size)
-        results = self.call_each(method, [(s,) for s in shards], **kwargs)
-        if isinstance(results[0], TensorDict):
-            return batch_ops.concat(results)
-        if isinstance(results[0], list):
-            return [x for r in results for x in r]
-        return results
+        """Split ``batch`` into the method's data-parallel shards; every rank of a data-parallel group gets
+        its group's shard (put in the object store once), and only the groups' collectors' results return."""
+        import ray
+
+        layout = self.layout(method)
+        shards = _split_rows(batch, layout.dp_size)
+        if layout.dp_size < self.world_size:  # shared by several ranks: serialise each shard once
+            shards = [ray.put(s) for s in shards]
+        results = self.call_each(method, [(shards[d],) for d in layout.dp_rank], **kwargs)
+        return _merge(layout.gather(results))
 
     def shutdown(self) -> None:
         import ray

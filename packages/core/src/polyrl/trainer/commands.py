@@ -55,8 +55,16 @@ def train(manifest: str | Path | Manifest | None = None, configs: Sequence[str |
     needs_critic = config.algorithm.adv_estimator == "gae" or estimator.metadata.get("needs_values")
     sections = ["actor", "rollout"] + (["critic"] if needs_critic else [])
     _check_names(config, pm, sections)
-    trainer_name = "ppo"
-    factory = pm.get("trainer", trainer_name) if trainer_name in pm.registry("trainer") else PPOTrainer
+    trainer_name = config.trainer.name
+    if trainer_name in pm.registry("trainer"):
+        factory = pm.get("trainer", trainer_name)
+    elif trainer_name == "ppo":
+        factory = PPOTrainer
+    else:
+        known = sorted({"ppo", *pm.registry("trainer").names()})
+        raise ConfigError(f"config key 'trainer.name': no loaded plugin registers trainer {trainer_name!r} "
+                          f"(registered: {', '.join(known)}). Install the plugin that provides it and list it in the "
+                          "manifest, or use trainer.name=ppo")
     return factory(config, manifest=manifest, plugins=pm).fit()
 
 
@@ -84,10 +92,7 @@ def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manife
     """
     from polyrl.config.loader import load_config
     from polyrl.config.schema import PolyrlConfig
-    from polyrl.controller.distributed import free_port
-    from polyrl.controller.worker import Worker
-    from polyrl.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
-    from polyrl.trainer.workers import start_ray
+    from polyrl.trainer.workers import open_role_group
 
     ckpt = Path(checkpoint).resolve()
     if not (ckpt / "actor").exists():
@@ -101,22 +106,13 @@ def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manife
     manifest, pm = _plugins(manifest)
     config = load_config(PolyrlConfig, [config_file], overrides, plugins=pm)
     config.trainer.run_dir = str(run_dir)
-    kwargs = dict(config=config, roles=["actor"], manifest=manifest, master_port=free_port(), role_kind="sft")
-    owns_ray = False
-    if config.trainer.executor == "local":
-        group = LocalWorkerGroup(Worker, **kwargs)
-    else:
-        owns_ray = start_ray(config, Path("/tmp"))
-        group = RayWorkerGroup(Worker, config.trainer.n_workers, name="export", **kwargs)
+    started = open_role_group(config, roles=["actor"], manifest=manifest, name="export", run_dir=run_dir,
+                              role_kind="sft")
     try:
-        group.call_all("load_checkpoint", str(ckpt))
-        group.call_all("export_hf", str(Path(to).resolve()))
+        started.group.call_all("load_checkpoint", str(ckpt))
+        started.group.call_all("export_hf", str(Path(to).resolve()))
     finally:
-        group.shutdown()
-        if owns_ray:
-            import ray
-
-            ray.shutdown()
+        started.shutdown()
     return Path(to)
 
 

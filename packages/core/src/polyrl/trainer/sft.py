@@ -99,22 +99,15 @@ class SFTTrainer:
             return self._fit()
 
     def _fit(self) -> dict[str, float]:
-        from polyrl.controller.distributed import free_port
-        from polyrl.controller.worker import Worker
-        from polyrl.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
         from polyrl.tracking import Tracker
-        from polyrl.trainer.workers import start_ray
+        from polyrl.trainer.workers import open_role_group
 
         cfg = self.config
         setup_run_logging(self.run_dir)  # RUN_DIR/train.log
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
-        kwargs = dict(config=cfg, roles=["actor"], manifest=self.manifest, master_port=free_port(), role_kind="sft")
-        owns_ray = False
-        if cfg.trainer.executor == "local":
-            group = LocalWorkerGroup(Worker, **kwargs)
-        else:
-            owns_ray = start_ray(cfg, self.run_dir)
-            group = RayWorkerGroup(Worker, cfg.trainer.n_workers, name="sft", **kwargs)
+        started = open_role_group(cfg, roles=["actor"], manifest=self.manifest, name="sft", run_dir=self.run_dir,
+                                  role_kind="sft")
+        group = started.group
         tracker = Tracker(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
                           experiment=cfg.trainer.experiment_name, config=to_dict(cfg))
         bs = cfg.data.train_batch_size
@@ -145,11 +138,7 @@ class SFTTrainer:
             if bar is not None:
                 bar.close()
             tracker.close()
-            group.shutdown()
-            if owns_ray:
-                import ray
-
-                ray.shutdown()
+            started.shutdown()
         return metrics
 
 

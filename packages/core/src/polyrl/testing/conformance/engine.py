@@ -78,6 +78,21 @@ class EngineConformance:
     """What every engine promises (see :class:`polyrl.protocols.Engine`)."""
 
     supports_value_model = True
+    #: ``False`` for an engine whose "response" is not tokens (the diffusion engine: trained denoising steps).
+    #: The checks that compare with a transformers causal LM are then skipped, and :meth:`make_batch` must
+    #: give the engine's own batch with ``response_mask`` and ``advantages`` ``[B, T]`` (and ``log_probs``
+    #: are its per-step log-probs, which may be positive: densities).
+    token_model = True
+    #: A field the engine's forward pass needs (the missing-field test removes it).
+    required_field = "responses"
+
+    def make_batch(self):
+        """The batch the suite trains and infers on (four rows; token rows by default)."""
+        return _batch()
+
+    def _token_only(self) -> None:
+        if not self.token_model:
+            pytest.skip("compares with a transformers causal LM; this engine's responses are not tokens")
 
     def test_is_an_engine(self, engine_factory):
         engine = engine_factory()
@@ -86,7 +101,8 @@ class EngineConformance:
         assert engine.dp_size >= 1 and 0 <= engine.dp_rank < engine.dp_size
 
     def test_infer_shapes_masking_and_validity(self, engine_factory):
-        engine, batch = engine_factory(), _batch()
+        self._token_only()
+        engine, batch = engine_factory(), self.make_batch()
         out = engine.infer_batch(batch, compute_entropy=True)
         mask = batch["response_mask"]
         assert out.batch_size == batch.batch_size
@@ -95,9 +111,10 @@ class EngineConformance:
         assert torch.all(out["log_probs"][mask == 1] < 0) and torch.all(out["entropy"][mask == 1] > 0)
 
     def test_log_probs_match_transformers_at_a_temperature(self, engine_factory, model_dir):
+        self._token_only()
         from transformers import AutoModelForCausalLM
 
-        engine, batch = engine_factory(), _batch()
+        engine, batch = engine_factory(), self.make_batch()
         cold = engine.infer_batch(batch, temperature=0.8)["log_probs"]
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         for row in (1, 3):  # rows without masked tokens
@@ -105,8 +122,29 @@ class EngineConformance:
             assert torch.allclose(cold[row, :n], _hf_log_probs(model, batch, row, 0.8), atol=1e-4)
         assert not torch.allclose(cold, engine.infer_batch(batch)["log_probs"])
 
+    def test_train_batch_uses_the_temperature_it_is_given(self, engine_factory):
+        """``train_batch(..., temperature=t)`` computes the loss on log-probs at ``t``, the same ones
+        ``infer_batch(temperature=t)`` returns (an engine that ignored it would train at temperature 1)."""
+        self._token_only()
+        engine, batch = engine_factory(micro_batch_size=4), self.make_batch()  # one micro-batch: rows in order
+        seen: list[torch.Tensor] = []
+
+        def record(out, mb, scale):
+            seen.append(out["log_probs"].detach().clone())
+            return _loss(out, mb, scale)
+
+        cold = engine.infer_batch(batch, temperature=0.7)["log_probs"]
+        warm = engine.infer_batch(batch)["log_probs"]
+        engine.train_batch(batch, record, temperature=0.7)
+        assert len(seen) == 1
+        got = seen[0]
+        width = min(got.shape[1], cold.shape[1])  # engines may trim all-padding columns
+        m = batch["response_mask"].bool()[:, :width]
+        assert torch.allclose(got[:, :width][m], cold[:, :width][m], atol=1e-5)
+        assert not torch.allclose(got[:, :width][m], warm[:, :width][m], atol=1e-3)
+
     def test_micro_batch_size_does_not_change_results(self, engine_factory):
-        batch = _batch()
+        batch = self.make_batch()
         one, four = engine_factory(micro_batch_size=1), engine_factory(micro_batch_size=4)
         assert torch.allclose(one.infer_batch(batch)["log_probs"], four.infer_batch(batch)["log_probs"], atol=1e-5)
         # the loss is normalised by global counts, so accumulation over 4 micro-batches equals 1 of 4 rows
@@ -115,7 +153,7 @@ class EngineConformance:
         assert g1["test/loss"] * 4 == pytest.approx(g4["test/loss"], rel=1e-4)  # mean over micro-batches
 
     def test_train_step_changes_weights_and_reports(self, engine_factory):
-        engine, batch = engine_factory(), _batch()
+        engine, batch = engine_factory(), self.make_batch()
         before = engine.infer_batch(batch)["log_probs"]
         metrics = engine.train_batch(batch, _loss)
         assert metrics[_grad_key(metrics)] > 0 and "test/loss" in metrics
@@ -128,6 +166,7 @@ class EngineConformance:
         assert (after * adv).sum() > (before * adv).sum()
 
     def test_weights_for_rollout_cover_the_hf_model(self, engine_factory, model_dir):
+        self._token_only()
         from transformers import AutoModelForCausalLM
 
         engine = engine_factory()
@@ -140,9 +179,10 @@ class EngineConformance:
         assert len(list(engine.weights_for_rollout(1 << 40))) == 1
 
     def test_weights_for_rollout_reproduce_the_trained_model(self, engine_factory, model_dir):
+        self._token_only()
         from transformers import AutoModelForCausalLM
 
-        engine, batch = engine_factory(), _batch()
+        engine, batch = engine_factory(), self.make_batch()
         engine.train_batch(batch, _loss)
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         sent = {n: t.detach().cpu() for bucket in engine.weights_for_rollout() for n, t in bucket}
@@ -150,7 +190,7 @@ class EngineConformance:
         assert torch.allclose(engine.infer_batch(batch)["log_probs"][3, :6], _hf_log_probs(model, batch, 3), atol=1e-4)
 
     def test_save_load_round_trip_and_continue(self, engine_factory, tmp_path):
-        engine, batch = engine_factory(), _batch()
+        engine, batch = engine_factory(), self.make_batch()
         engine.train_batch(batch, _loss)
         engine.save_checkpoint(str(tmp_path / "ckpt"))
         saved = engine.infer_batch(batch)["log_probs"]
@@ -170,16 +210,17 @@ class EngineConformance:
             engine_factory().load_checkpoint(str(tmp_path / "empty"))
 
     def test_export_hf_loads_in_transformers(self, engine_factory, tmp_path):
+        self._token_only()
         from transformers import AutoModelForCausalLM
 
-        engine, batch = engine_factory(), _batch()
+        engine, batch = engine_factory(), self.make_batch()
         engine.train_batch(batch, _loss)
         engine.export_hf(str(tmp_path / "hf"))
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
         assert torch.allclose(engine.infer_batch(batch)["log_probs"][3, :6], _hf_log_probs(model, batch, 3), atol=1e-4)
 
     def test_offload_onload_keeps_the_model(self, engine_factory):
-        engine, batch = engine_factory(), _batch()
+        engine, batch = engine_factory(), self.make_batch()
         engine.train_batch(batch, _loss)
         before = engine.infer_batch(batch)["log_probs"]
         engine.offload()
@@ -188,7 +229,7 @@ class EngineConformance:
         engine.train_batch(batch, _loss)  # the optimizer state came back with it
 
     def test_ref_role_infers_like_the_actor(self, engine_factory):
-        batch = _batch()
+        batch = self.make_batch()
         ref = engine_factory(role="ref")
         assert ref.role == "ref"
         actor = engine_factory()
@@ -197,7 +238,7 @@ class EngineConformance:
     def test_value_model_infers_and_trains(self, engine_factory):
         if not self.supports_value_model:
             pytest.skip("this engine has no value model")
-        critic, batch = engine_factory(role="critic", model_type="value"), _batch()
+        critic, batch = engine_factory(role="critic", model_type="value"), self.make_batch()
         values = critic.infer_batch(batch)["values"]
         assert values.shape == batch["responses"].shape
         assert torch.all(values[batch["response_mask"] == 0] == 0)
@@ -208,8 +249,8 @@ class EngineConformance:
 
     @pytest.mark.parametrize("method", ["infer_batch", "train_batch"])
     def test_missing_field_names_it(self, engine_factory, method):
-        batch = _batch().exclude("responses")
+        batch = self.make_batch().exclude(self.required_field)
         engine = engine_factory()
         call = engine.infer_batch if method == "infer_batch" else lambda b: engine.train_batch(b, _loss)
-        with pytest.raises(KeyError, match="responses"):
+        with pytest.raises(KeyError, match=self.required_field):
             call(batch)

@@ -25,7 +25,21 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    """One rank. ``roles`` is a subset of ``{"actor", "ref", "critic", "rollout"}``."""
+    """One rank. ``roles`` is a subset of ``{"actor", "ref", "critic", "rollout"}``.
+
+    A plugin trainer (``trainer.name``) may run a subclass: :attr:`model_types` picks the engines' model
+    type per role, :meth:`load_tokenizer` what text tokenizer (if any) the rollout and agent loops get,
+    and :meth:`collate_outputs` how trajectories become a batch.
+    """
+
+    #: The ``model_type`` each role's engine is built with (``Engine`` factories receive it).
+    model_types: dict[str, str] = {"actor": "causal_lm", "ref": "causal_lm", "critic": "value"}
+
+    #: Which engine's data-parallel layout splits the batch of each dispatched method (see :meth:`dp_layout`).
+    dispatch_roles: dict[str, str] = {
+        "compute_log_prob": "actor", "update_actor": "actor", "compute_ref_log_prob": "ref",
+        "compute_values": "critic", "update_critic": "critic", "sft_step": "actor",
+    }
 
     def __init__(
         self,
@@ -42,7 +56,7 @@ class Worker:
         import torch
 
         from polyrl import plugins
-        from polyrl.controller.distributed import init_distributed
+        from polyrl.distributed import init_distributed
         from polyrl.logs import setup_run_logging
         from polyrl.platforms import setup_worker_device
 
@@ -62,23 +76,18 @@ class Worker:
         random.seed(seed)
         torch.manual_seed(seed)
 
-        from transformers import AutoTokenizer
-
-        from polyrl.models.paths import check_model_paths
-
-        model_cfg = config.actor.model
-        check_model_paths(model_cfg, "actor.model")  # a clear error, not transformers' retries on an unreachable Hub
-        self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer_path or model_cfg.path)
+        self.tokenizer = self.load_tokenizer()
         self.actor = self.ref = self.critic = self.rollout = None
+        types = self.model_types
         if role_kind == "sft":
-            self.actor = self._build_engine("actor", config.actor, "causal_lm")
+            self.actor = self._build_engine("actor", config.actor, types["actor"])
             return
         if "actor" in self.roles:
-            self.actor = self._build_engine("actor", config.actor, "causal_lm")
+            self.actor = self._build_engine("actor", config.actor, types["actor"])
         if "ref" in self.roles:
-            self.ref = self._build_engine("ref", self._ref_role_config(), "causal_lm")
+            self.ref = self._build_engine("ref", self._ref_role_config(), types["ref"])
         if "critic" in self.roles:
-            self.critic = self._build_engine("critic", config.critic, "value")
+            self.critic = self._build_engine("critic", config.critic, types["critic"])
         self.replica_leader = True  # tp=1: every rank is its own replica
         if "rollout" in self.roles and self.config.rollout.tensor_parallel_size == 1:
             self._build_rollout()  # tp > 1: the driver calls build_rollout_replica once it planned replicas
@@ -90,6 +99,30 @@ class Worker:
     def ready(self) -> bool:
         """Returns once the constructor finished (the driver waits on it)."""
         return True
+
+    def load_tokenizer(self) -> Any:
+        """The text tokenizer the rollout and the agent loops get (the actor model's); ``None`` where
+        nothing needs one. Subclasses override it (a diffusion model's text encoder brings its own)."""
+        from transformers import AutoTokenizer
+
+        from polyrl.models.paths import check_model_paths
+
+        model_cfg = self.config.actor.model
+        check_model_paths(model_cfg, "actor.model")  # a clear error, not transformers' retries on an unreachable Hub
+        return AutoTokenizer.from_pretrained(model_cfg.tokenizer_path or model_cfg.path)
+
+    def dp_layout(self, method: str) -> tuple[int, int, bool]:
+        """``(dp_rank, dp_size, collects_output)`` of this rank for the batches of ``method``.
+
+        The worker group splits a batch into ``dp_size`` shards, hands shard ``dp_rank`` to this rank and
+        keeps this rank's result only when ``collects_output`` (one rank per data-parallel group). Methods
+        no engine serves (``generate``) split by rank.
+        """
+        role = self.dispatch_roles.get(method)
+        engine = {"actor": self.actor, "ref": self.ref or self.actor, "critic": self.critic}.get(role or "")
+        if engine is None:
+            return self.rank, self.world_size, True
+        return int(engine.dp_rank), int(engine.dp_size), bool(getattr(engine, "collects_output", True))
 
     def _build_engine(self, role: str, role_config: Any, model_type: str) -> Any:
         factory = self.pm.get("engine", role_config.engine)
@@ -171,7 +204,7 @@ class Worker:
         A rank that lends its device to another rank's tensor-parallel replica frees its training memory
         and waits (a barrier) until every replica has generated; it returns ``None``.
         """
-        from polyrl.agent_loops import collate, run_agent_loops
+        from polyrl.agent_loops import run_agent_loops
 
         if not self.replica_leader:
             self._lend_device_during_generation(validate)
@@ -186,10 +219,18 @@ class Worker:
                 self.actor.onload()
             if self.config.rollout.tensor_parallel_size > 1:
                 _barrier()  # the ranks that lent their device may take it back (also when generation failed)
+        return self.collate_outputs(outputs)
+
+    def collate_outputs(self, outputs: list[Any]) -> TensorDict:
+        """The batch of finished trajectories (:func:`polyrl.agent_loops.collate`: token fields plus the
+        loops' ``extra`` outputs)."""
+        from polyrl.agent_loops import collate
+
         data = self.config.data
+        pad = getattr(self.tokenizer, "pad_token_id", None)
         return collate(
             outputs,
-            pad_token_id=self.tokenizer.pad_token_id,
+            pad_token_id=pad if pad is not None else 0,
             max_prompt_length=data.max_prompt_length,
             max_response_length=data.max_response_length,
         )
@@ -226,6 +267,27 @@ class Worker:
         for bucket in buckets:
             self.rollout.update_weights(bucket)
 
+    def join_weight_group(self, address: str, port: int, rank: int, size: int) -> None:
+        """Split placement, ``trainer.weight_transfer=collective``: join the group of actor rank 0 and the
+        rollout replicas' leaders (:mod:`polyrl.trainer.weight_transfer`)."""
+        from polyrl.trainer.weight_transfer import join_weight_group
+
+        self.weight_group = join_weight_group(self.platform, address, port, rank, size)
+
+    def send_weights(self) -> dict[str, float]:
+        """Collective transfer, actor side: every rank gathers, rank 0 broadcasts the buckets."""
+        from polyrl.trainer.weight_transfer import send_weights
+
+        return send_weights(self.actor, getattr(self, "weight_group", None), self.config.trainer.weight_bucket_mb << 20)
+
+    def receive_weights(self) -> dict[str, float]:
+        """Collective transfer, rollout side (a replica's leader): load the buckets as they arrive."""
+        from polyrl.trainer.weight_transfer import receive_weights
+
+        if self.rollout is not None:
+            self.rollout.wake_up()
+        return receive_weights(self.weight_group, self.rollout)
+
     def sleep_rollout(self) -> None:
         """Release the rollout's accelerator memory before training (colocated)."""
         if self.rollout is None:
@@ -255,9 +317,8 @@ class Worker:
         """PPO epochs over mini-batches of this rank's shard; metrics averaged over steps."""
         from polyrl.trainer.losses import make_actor_loss
 
-        self.actor.temperature = self.config.rollout.temperature
         cfg = self.config.actor
-        rows = cfg.ppo_mini_batch_size * self.config.rollout.n // self.world_size
+        rows = cfg.ppo_mini_batch_size * self.config.rollout.n // self.actor.dp_size
         on_policy = "old_log_probs" not in batch.keys()
         if on_policy and (cfg.ppo_epochs > 1 or rows < batch.batch_size[0]):
             raise RuntimeError(
@@ -265,15 +326,16 @@ class Worker:
                 f"(actor.ppo_epochs={cfg.ppo_epochs}, {batch.batch_size[0] // max(1, rows)} mini-batches): "
                 "compute them first (compute_log_prob)")
         loss = make_actor_loss(cfg, on_policy=on_policy)
-        return _run_epochs(self.actor, batch, rows, cfg.ppo_epochs, loss, cfg.shuffle, self.rank)
+        return _run_epochs(self.actor, batch, rows, cfg.ppo_epochs, loss, cfg.shuffle, self.actor.dp_rank,
+                           temperature=self.config.rollout.temperature)
 
     def update_critic(self, batch: TensorDict) -> dict[str, float]:
         """Value-loss epochs over mini-batches of this rank's shard."""
         from polyrl.trainer.losses import make_critic_loss
 
         cfg = self.config.critic
-        rows = cfg.ppo_mini_batch_size * self.config.rollout.n // self.world_size
-        return _run_epochs(self.critic, batch, rows, cfg.ppo_epochs, make_critic_loss(cfg), False, self.rank)
+        rows = cfg.ppo_mini_batch_size * self.config.rollout.n // self.critic.dp_size
+        return _run_epochs(self.critic, batch, rows, cfg.ppo_epochs, make_critic_loss(cfg), False, self.critic.dp_rank)
 
     def sft_step(self, batch: TensorDict) -> dict[str, float]:
         """One supervised optimizer step (``polyrl sft``)."""
@@ -320,6 +382,9 @@ class Worker:
                 shutdown()
             except Exception:  # teardown goes on: the process group must still be left
                 logger.exception("rank %d: rollout shutdown failed", self.rank)
+        weight_group, self.weight_group = getattr(self, "weight_group", None), None
+        if weight_group is not None:
+            weight_group.close()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -342,7 +407,8 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _run_epochs(engine: Any, batch: TensorDict, rows: int, epochs: int, loss_fn: Any, shuffle: bool, seed: int) -> dict:
+def _run_epochs(engine: Any, batch: TensorDict, rows: int, epochs: int, loss_fn: Any, shuffle: bool, seed: int,
+                *, temperature: float = 1.0) -> dict:
     import torch
 
     size = batch.batch_size[0]
@@ -353,7 +419,7 @@ def _run_epochs(engine: Any, batch: TensorDict, rows: int, epochs: int, loss_fn:
         order = torch.randperm(size, generator=torch.Generator().manual_seed(seed * 1000 + epoch)) if shuffle else None
         data = batch[order] if order is not None else batch
         for start in range(0, size - rows + 1, rows):
-            metrics = engine.train_batch(data[start : start + rows], loss_fn)
+            metrics = engine.train_batch(data[start : start + rows], loss_fn, temperature=temperature)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
             steps += 1
