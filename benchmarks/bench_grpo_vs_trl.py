@@ -1,4 +1,4 @@
-"""GRPO training throughput: polyrl vs TRL's GRPOTrainer, same models, prompts and batch, one run.
+"""GRPO training throughput: polyrl vs TRL's GRPOTrainer at equal cores, same models, prompts and batch.
 
 Both sides train the same random-init model (``tiny`` and ``small`` from
 ``polyrl.models.tiny``) with the same tokenizer, prompts, samples per prompt,
@@ -6,9 +6,17 @@ completion length, batch, learning rate and precision (float32), on this machine
 CPU, for ``--steps`` GRPO steps after ``--warmup`` steps that are not timed.
 Workloads: ``short`` (synthetic arithmetic, ~9-token prompts) and ``long`` (the same
 questions after a fixed few-shot preamble, 200-token prompts, as in GSM8K-style prompting).
-polyrl runs with each of ``--workers`` data-parallel workers (2: both cores; 1: one
-process on one core, as TRL's trainer). Reported: completion tokens per second of step
-time for each, the ratio polyrl / TRL, and where each side's step time goes. See docs/benchmarks.md for the method.
+
+Equal cores: for each ``--workers`` count W, polyrl runs W data-parallel workers (1: the ``local``
+executor, one process) and TRL runs under ``torchrun --nproc_per_node W`` (gloo DDP, each process one
+core and 1/W of the batch). Only these equal-core ratios are reported, per phase (generation, and the
+rest of the step: log-probs, loss, backward, optimizer, weight sync), with each phase's distance from this
+machine's limit: the update against measured matmul FLOP/s (6 x parameters x tokens), decoding against
+measured memory bandwidth and skinny-matmul FLOP/s (every decode step reads the weights once and does
+2 x parameters x batch FLOPs). See docs/benchmarks.md for the method.
+
+TRL is the baseline, not a polyrl dependency: install it beside the venv without touching it, e.g.
+``pip install --no-deps --target /tmp/trl trl`` and ``PYTHONPATH=/tmp/trl``.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_grpo_vs_trl.py [--sizes tiny small] \\
         [--workloads short long] [--warmup 2] [--steps 5] [--workers 2 1]
@@ -47,8 +55,19 @@ def make_rows(workload: str) -> list[dict]:
     return rows
 
 
-def run_trl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path) -> dict:
-    """TRL GRPOTrainer (use_vllm=False) on CPU in this process; completion tokens and step seconds."""
+def run_trl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, procs: int) -> dict:
+    """TRL's GRPOTrainer under ``torchrun --nproc_per_node procs`` (gloo DDP on CPU); rank 0's timings."""
+    out.mkdir(parents=True, exist_ok=True)
+    result = out / "trl.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", __file__,
+           "--trl-child", json.dumps([str(model_dir), str(data), warmup, steps, str(out), str(result)])]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return json.loads(result.read_text())
+
+
+def trl_child(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, result: Path) -> None:
+    """One torchrun process of TRL's GRPOTrainer (use_vllm=False): each process generates and trains
+    ``1/world`` of the batch; rank 0 writes completion tokens, step seconds and generation seconds."""
     import torch
     import transformers.generation.utils as generation
     from datasets import Dataset
@@ -86,10 +105,12 @@ def run_trl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path) -> 
             if logs and "completions/mean_length" in logs:
                 self.lengths.append(logs["completions/mean_length"])
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = GRPOConfig(
-        output_dir=str(out), per_device_train_batch_size=PROMPTS_PER_STEP * N, num_generations=N,
+        output_dir=str(out), per_device_train_batch_size=PROMPTS_PER_STEP * N // world, num_generations=N,
+        ddp_backend="gloo" if world > 1 else None,
         gradient_accumulation_steps=1, max_completion_length=COMPLETION, max_steps=warmup + steps,
         learning_rate=1e-4, logging_steps=1, report_to="none", use_cpu=True, bf16=False, fp16=False,
         save_strategy="no", temperature=1.0, beta=0.0, dataloader_num_workers=0, use_vllm=False,
@@ -106,8 +127,11 @@ def run_trl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path) -> 
         generation.GenerationMixin.generate = generate
     times, lengths, gens = timer.times[warmup:], timer.lengths[warmup:], gen_seconds[warmup:]
     seconds = sum(times)
-    return {"tokens": sum(length * PROMPTS_PER_STEP * N for length in lengths), "seconds": seconds,
-            "phases": {"gen": sum(gens) / len(times), "rest": (seconds - sum(gens)) / len(times)}}
+    if int(os.environ.get("RANK", "0")) == 0:  # completions/mean_length is already averaged over processes
+        result.write_text(json.dumps({
+            "tokens": sum(length * PROMPTS_PER_STEP * N for length in lengths), "seconds": seconds,
+            "mean_length": sum(lengths) / max(1, len(lengths)),
+            "phases": {"gen": sum(gens) / len(times), "rest": (seconds - sum(gens)) / len(times)}}))
 
 
 def run_polyrl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, workers: int,
@@ -138,31 +162,82 @@ def run_polyrl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, 
             "phases": {k: v for k, v in phases.items() if v >= 0.005}}
 
 
-def _phases(result: dict) -> str:
-    return " ".join(f"{k} {v:.2f}" for k, v in result["phases"].items())
+def machine_limits() -> dict[str, float]:
+    """One core's measured limits: wide and skinny float32 matmul FLOP/s and memory bandwidth (bytes/s)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+    def flops(m: int, k: int, n: int, reps: int) -> float:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        a @ b
+        start = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        return 2 * m * k * n * reps / (time.perf_counter() - start)
+
+    x = torch.empty(64 << 20)  # 256 MiB, far beyond the caches
+    y = torch.empty_like(x)
+    y.copy_(x)
+    start = time.perf_counter()
+    for _ in range(5):
+        y.copy_(x)
+    bandwidth = 2 * x.numel() * 4 * 5 / (time.perf_counter() - start)  # read + write
+    return {"matmul_flops": flops(1024, 1024, 1024, 10), "skinny_flops": flops(16, 512, 1536, 2000),
+            "bandwidth": bandwidth}
+
+
+def phase_floors(params: int, prompt_tokens: int, completion: float, cores: int, limits: dict) -> dict[str, float]:
+    """The least seconds per step this machine needs, with ``cores`` cores, for each phase of the workload.
+
+    update: 6 x params x tokens (forward + backward) of every sample, at wide-matmul FLOP/s (the old-log-prob
+    pass and the weight sync ride on top); decoding: each of ``completion`` decode steps reads the weights
+    once per process and does 2 x params FLOPs per sequence at skinny-matmul FLOP/s, plus the prefill of the
+    prompts at wide-matmul FLOP/s.
+    """
+    rows = PROMPTS_PER_STEP * N
+    update = 6 * params * rows * (prompt_tokens + completion) / (cores * limits["matmul_flops"])
+    per_step = max(params * 4 / limits["bandwidth"], 2 * params * rows / cores / limits["skinny_flops"])
+    prefill = 2 * params * rows * prompt_tokens / (cores * limits["matmul_flops"])
+    return {"gen": completion * per_step + prefill, "rest": update}
+
+
+def _split(result: dict) -> dict[str, float]:
+    """Seconds per step in two phases both sides report: generation, and the rest of the step."""
+    if "rest" in result["phases"]:
+        return {"gen": result["phases"]["gen"], "rest": result["phases"]["rest"]}
+    step = result["seconds"] / result["steps"]
+    gen = result["phases"].get("gen", 0.0)
+    return {"gen": gen, "rest": step - gen}
 
 
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--trl-child":
+        model_dir, data, warmup, steps, out, result = json.loads(sys.argv[2])
+        trl_child(Path(model_dir), Path(data), warmup, steps, Path(out), Path(result))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
     parser.add_argument("--workloads", nargs="+", default=["short", "long"], choices=["short", "long"])
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, on both sides")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 1],
-                        help="polyrl data-parallel worker counts to run (1 = local executor, TRL's one process)")
+                        help="cores per side: polyrl workers (1 = local executor) and TRL torchrun processes")
     parser.add_argument("--polyrl-args", nargs="*", default=[], help="extra `polyrl train` overrides (key=value)")
-    parser.add_argument("--no-trl", action="store_true", help="run polyrl only (no ratio)")
     args = parser.parse_args()
     from safetensors import safe_open
 
     from polyrl.data.synthetic import write_jsonl
     from polyrl.models.tiny import make_tiny_model
 
+    limits = machine_limits()
+    print(f"one core: matmul {limits['matmul_flops'] / 1e9:.1f} GFLOP/s (1024^3), skinny {limits['skinny_flops'] / 1e9:.1f} "
+          f"GFLOP/s (16x512x1536), memory {limits['bandwidth'] / 1e9:.1f} GB/s", flush=True)
     root = Path(tempfile.mkdtemp(prefix="bench-trl-"))
-    print(f"{'workload':8} {'model':6} {'params':>7} {'TRL tok/s':>10} {'workers':>7} {'polyrl tok/s':>13} "
-          f"{'ratio':>6}", flush=True)
+    report = []
     for workload in args.workloads:
         data = write_jsonl(make_rows(workload), root / f"{workload}.jsonl")
+        prompt_tokens = 9 if workload == "short" else 200
         for size in args.sizes:
             model_dir = root / size
             if not model_dir.exists():
@@ -170,19 +245,28 @@ def main() -> None:
             with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
                 params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
             tag = f"{workload}-{size}"
-            trl = None if args.no_trl else run_trl(model_dir, data, args.warmup, args.steps, root / f"trl-{tag}")
-            t_rate = trl["tokens"] / trl["seconds"] if trl else None
-            if trl:
-                print(f"    TRL s/step: {_phases(trl)}", flush=True)
-            for workers in args.workers:
-                ours = run_polyrl(model_dir, data, args.warmup, args.steps, root / f"polyrl-{tag}-{workers}", workers,
+            for cores in args.workers:
+                trl = run_trl(model_dir, data, args.warmup, args.steps, root / f"trl-{tag}-{cores}", cores)
+                trl["steps"] = args.steps
+                ours = run_polyrl(model_dir, data, args.warmup, args.steps, root / f"polyrl-{tag}-{cores}", cores,
                                   args.polyrl_args)
-                p_rate = ours["tokens"] / ours["seconds"]
-                ratio = f"{p_rate / t_rate:6.2f}" if t_rate else f"{'-':>6}"
-                trl_col = f"{t_rate:10.1f}" if t_rate else f"{'-':>10}"
-                print(f"{workload:8} {size:6} {params / 1e6:6.1f}M {trl_col} {workers:7d} {p_rate:13.1f} {ratio}",
-                      flush=True)
-                print(f"    polyrl ({workers} worker{'s' if workers > 1 else ''}) s/step: {_phases(ours)}", flush=True)
+                ours["steps"] = args.steps
+                completion = trl.get("mean_length", COMPLETION)
+                floor = phase_floors(params, prompt_tokens, completion, cores, limits)
+                t_rate, p_rate = trl["tokens"] / trl["seconds"], ours["tokens"] / ours["seconds"]
+                tp, pp = _split(trl), _split(ours)
+                row = {"workload": workload, "size": size, "params": params, "cores": cores, "trl_tok_s": t_rate,
+                       "polyrl_tok_s": p_rate, "ratio": p_rate / t_rate, "trl_s": tp, "polyrl_s": pp, "floor_s": floor,
+                       "polyrl_phases": ours["phases"]}
+                report.append(row)
+                print(f"{workload:5} {size:5} {params / 1e6:5.1f}M {cores} core(s): TRL {t_rate:8.1f} tok/s, polyrl "
+                      f"{p_rate:8.1f} tok/s, ratio {p_rate / t_rate:.2f}x", flush=True)
+                for phase in ("gen", "rest"):
+                    print(f"    {phase:4} s/step: TRL {tp[phase]:.3f} polyrl {pp[phase]:.3f} (ratio "
+                          f"{tp[phase] / max(pp[phase], 1e-9):.2f}x); machine floor {floor[phase]:.3f} -> TRL at "
+                          f"{floor[phase] / max(tp[phase], 1e-9):.0%}, polyrl at {floor[phase] / max(pp[phase], 1e-9):.0%}"
+                          " of the limit", flush=True)
+    print(json.dumps({"limits": limits, "rows": report}), flush=True)
 
 
 def _numel(shape: list[int]) -> int:

@@ -20,6 +20,8 @@ PLATFORM_MODULES = {
     "packages/hw-ascend/src/polyrl_hw_ascend/platform.py",
     "packages/hw-ascend/src/polyrl_hw_ascend/patches.py",
     "packages/hw-rocm/src/polyrl_hw_rocm/platform.py",
+    # emulates torch.cuda for megatron-core on the cpu platform only (it stands in for the device module)
+    "packages/engine-megatron/src/polyrl_engine_megatron/cpu_emulation.py",
 }
 DEVICE_MODULES = ("cuda", "npu")
 

@@ -15,6 +15,7 @@ def fake_ray(monkeypatch):
     import ray
 
     calls = []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a developer's cluster address must not leak in
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
     return calls
@@ -43,3 +44,16 @@ def test_cluster_address_joins_the_cluster(fake_ray, tmp_path):
     (kw,) = fake_ray
     assert kw["address"] == "10.0.0.5:6379" and "_node_ip_address" not in kw and "num_cpus" not in kw
     assert not (tmp_path / "ray").exists()
+
+
+def test_ray_address_environment_variable_joins_the_cluster(fake_ray, monkeypatch, tmp_path):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.7:6379")
+    assert start_ray(_config(), tmp_path)
+    (kw,) = fake_ray
+    assert kw["address"] == "10.0.0.7:6379" and "num_cpus" not in kw and "_temp_dir" not in kw
+
+
+def test_config_address_wins_over_the_environment(fake_ray, monkeypatch, tmp_path):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.7:6379")
+    start_ray(_config("10.0.0.5:6379"), tmp_path)
+    assert fake_ray[0]["address"] == "10.0.0.5:6379"

@@ -23,7 +23,7 @@ from polyrl.errors import ConfigError
 
 #: Role sections whose plugin block is named after ``engine``, and the rollout named after ``name``.
 _PLUGIN_BLOCKS = {"actor": ("engine", "engine"), "critic": ("engine", "engine"), "ref": ("engine", "engine"),
-                  "rollout": ("name", "rollout")}
+                  "rollout": ("name", "rollout"), "trainer": ("name", "trainer")}
 
 
 #: Schema fields the loader fills itself; never suggested or listed to a user.

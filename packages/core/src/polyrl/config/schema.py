@@ -203,6 +203,11 @@ class AgentConfig:
 class TrainerSection:
     """The loop, placement, logging and checkpoints."""
 
+    #: The trainer ``polyrl train`` runs: ``ppo`` (PPO / GRPO and family, built in) or one a plugin registers
+    #: (``register_trainers``; e.g. ``flow_grpo`` from polyrl-diffusion). Its options go in a block named
+    #: after it, ``trainer: {flow_grpo: {...}}``, validated by the schema the plugin registers as
+    #: ``trainer.<name>`` and passed as ``trainer.plugin_config``.
+    name: str = "ppo"
     #: Where everything of this run goes (config, manifest, metrics, checkpoints, plots).
     run_dir: str = "runs/polyrl"
     project_name: str = "polyrl"
@@ -223,8 +228,17 @@ class TrainerSection:
     #: CPUs Ray may use on this machine (0: all).
     ray_num_cpus: int = 0
     #: Join this Ray cluster (``ray://host:10001``, ``host:6379`` or ``auto``) instead of starting a local Ray
-    #: bound to loopback; see docs/security.md.
+    #: bound to loopback (empty: the ``RAY_ADDRESS`` environment variable, if set); see docs/cluster.md.
     ray_address: str = ""
+    #: How each worker group's placement group lays its workers over nodes: ``PACK`` (as few nodes as fit,
+    #: spreading over more when one is not enough), ``SPREAD``, ``STRICT_PACK`` (one node or fail),
+    #: ``STRICT_SPREAD``.
+    placement_strategy: str = "PACK"
+    #: ``placement=split``: how actor weights reach the rollout pool: ``collective`` (a process group between
+    #: actor rank 0 and the rollout replicas' leaders, bucketed broadcasts over the platform's weight-sync
+    #: backend), ``object_store`` (buckets through Ray's object store) or ``auto`` (collective: 3-4x faster
+    #: than the object store even on CPU, docs/placement.md).
+    weight_transfer: str = "auto"
     #: Validate every N steps (0: never) and at the last step; pass@k of validation uses ``rollout.val_n``
     #: samples, mean@1 the first.
     test_freq: int = 0
@@ -248,6 +262,26 @@ class TrainerSection:
     #: Reorder each step's batch so every data-parallel rank gets about the same number of tokens, keeping
     #: each prompt's samples together (verl's ``balance_batch``); ranks wait less for each other.
     balance_batch: bool = True
+    #: ``sync`` (generate, then train), ``one_step_off_policy`` (step k+1 generates while step k trains) or
+    #: ``fully_async`` (rollout streams prompt groups into a bounded queue); the last two need
+    #: ``placement=split``. See docs/async.md.
+    async_mode: str = "sync"
+    #: ``fully_async``: a prompt group generated more than this many policy versions before the update that
+    #: would train on it is dropped and its prompt generated again.
+    async_max_staleness: int = 1
+    #: ``fully_async``: generation in flight when new weights arrive is ``finish``ed on the old weights, or
+    #: ``abort``ed (its result discarded) and its prompts generated again on the new weights.
+    async_inflight: str = "finish"
+    #: ``fully_async``: most prompt groups finished or in flight ahead of the trainer (0: ``data.train_batch_size``
+    #: times ``max(1, async_max_staleness)``).
+    async_queue_groups: int = 0
+    #: ``fully_async``: prompt groups per generation call of a rollout worker (0: half a batch over the workers).
+    async_chunk_groups: int = 0
+    #: Async modes: truncated importance-sampling cap on the policy gap (``pi_train / pi_rollout``), applied
+    #: per token when ``algorithm.rollout_correction.rollout_is`` is unset (0: no correction).
+    async_tis_cap: float = 2.0
+    #: The validated ``trainer.<name>`` block of a plugin trainer (filled by the config loader).
+    plugin_config: Any = None
 
 
 @dataclass

@@ -121,7 +121,7 @@ RESUME_FREE_KEYS = (
     "trainer.total_steps", "trainer.total_epochs", "trainer.resume", "trainer.resume_override",
     "trainer.save_freq", "trainer.max_checkpoints", "trainer.test_freq", "trainer.val_before_train",
     "trainer.logger", "trainer.progress_bar", "trainer.ray_num_cpus", "trainer.run_dir", "trainer.ray_address",
-    "trainer.device",
+    "trainer.device", "trainer.placement_strategy", "trainer.weight_transfer",
     "actor.optim.total_steps", "critic.optim.total_steps",
 )
 

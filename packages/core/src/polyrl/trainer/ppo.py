@@ -52,11 +52,18 @@ _NEEDS_CRITIC = {"gae"}
 
 
 class PPOTrainer:
-    """Runs RL post-training for ``config`` (a :class:`polyrl.config.schema.PolyrlConfig`)."""
+    """Runs RL post-training for ``config`` (a :class:`polyrl.config.schema.PolyrlConfig`).
+
+    One loop for every model kind: a plugin trainer (chosen by ``trainer.name``, registered with
+    ``register_trainers``) subclasses this class and overrides only what differs — :attr:`worker_cls`,
+    :meth:`build_tokenizer`, :meth:`build_datasets`, :meth:`build_reward_fn`, :meth:`batch_metrics`,
+    :meth:`balance_lengths`, :meth:`throughput_metrics`, :meth:`validate` (docs/plugins/index.md).
+    """
+
+    #: The worker class the role groups run (a subclass of :class:`polyrl.trainer.role_worker.Worker`).
+    worker_cls: type | None = None
 
     def __init__(self, config: Any, *, manifest: Manifest | None = None, plugins: Any = None) -> None:
-        from transformers import AutoTokenizer
-
         from polyrl.plugins import get_plugin_manager
 
         self.config = config
@@ -65,21 +72,12 @@ class PPOTrainer:
         cfg = config
         self.run_dir = Path(cfg.trainer.run_dir).expanduser().resolve()  # created (and locked) by fit()
         self._check_config()
-        check_model_paths(cfg.actor.model, "actor.model")  # before transformers retries an unreachable Hub
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model.tokenizer_path or cfg.actor.model.path)
+        self.tokenizer = self.build_tokenizer()
 
-        from polyrl.data import RLDataLoader, RLDataset
+        from polyrl.data import RLDataLoader
 
         data = cfg.data
-        self.train_set = RLDataset(
-            list(data.train_files), self.tokenizer, max_prompt_length=data.max_prompt_length,
-            truncation=data.truncation, chat_template=data.apply_chat_template,
-        )
-        self.val_set = (
-            RLDataset(list(data.val_files), self.tokenizer, max_prompt_length=data.max_prompt_length,
-                      truncation=data.truncation, chat_template=data.apply_chat_template)
-            if data.val_files else None
-        )
+        self.train_set, self.val_set = self.build_datasets()
         self.loader = RLDataLoader(self.train_set, batch_size=data.train_batch_size, shuffle=data.shuffle,
                                    seed=data.seed, drop_last=True)
         if len(self.loader) == 0:
@@ -95,13 +93,10 @@ class PPOTrainer:
             1, data.train_batch_size // cfg.critic.ppo_mini_batch_size) * cfg.critic.ppo_epochs
 
         from polyrl.algorithms import get_adv_estimator_fn, get_kl_controller
-        from polyrl.rewards import load_compute_score
 
         self.adv_fn = get_adv_estimator_fn(cfg.algorithm.adv_estimator)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
-        compute_score = load_compute_score(cfg.reward)  # reward.function or verl's custom_reward_function
-        manager = self.pm.get("reward_manager", cfg.reward.manager)
-        self.reward_fn = manager(tokenizer=self.tokenizer, compute_score=compute_score, config=cfg.reward)
+        self.reward_fn = self.build_reward_fn()
         entry = self.pm.entry("advantage_estimator", cfg.algorithm.adv_estimator)
         self.use_critic = bool(entry.metadata.get("needs_values")) or cfg.algorithm.adv_estimator in _NEEDS_CRITIC
         if self.use_critic and cfg.critic.model.path != cfg.actor.model.path:
@@ -127,10 +122,14 @@ class PPOTrainer:
                 "(docs/algorithms.md)")
         if "old_log_probs" in estimator_inputs:  # estimators that read the old policy's log-probs
             self.skip_old_log_prob = False
+        from polyrl.trainer.async_rollout import configure_async_mode, make_rollout_source
+
+        configure_async_mode(self)  # trainer.async_mode: placement checked, TIS on the policy gap (docs/async.md)
         self.rollout_corr = self._configure_rollout_correction()
         self.ckpt = CheckpointManager(self.run_dir, keep=cfg.trainer.max_checkpoints)
         self.global_step = 0
         self.groups: RoleGroups | None = None
+        self.rollout_source = make_rollout_source(self)  # where each step's samples come from
 
     def _configure_rollout_correction(self) -> dict[str, Any] | None:
         """verl's ``algorithm.rollout_correction`` (and the old ``tis_imp_ratio_cap``): the settings, copied to
@@ -157,6 +156,68 @@ class PPOTrainer:
             self.skip_old_log_prob = False
         return settings
 
+    # ------------------------------------------------------------------ what a plugin trainer may replace
+    def build_tokenizer(self) -> Any:
+        """The text tokenizer of the actor model (datasets and reward managers use it); may be ``None``."""
+        from transformers import AutoTokenizer
+
+        cfg = self.config
+        check_model_paths(cfg.actor.model, "actor.model")  # before transformers retries an unreachable Hub
+        return AutoTokenizer.from_pretrained(cfg.actor.model.tokenizer_path or cfg.actor.model.path)
+
+    def build_datasets(self) -> tuple[Any, Any]:
+        """``(train_set, val_set or None)``: sequences of verl-format rows, each with a ``uid``."""
+        from polyrl.data import RLDataset
+
+        data = self.config.data
+
+        def load(files: Any) -> Any:
+            return RLDataset(list(files), self.tokenizer, max_prompt_length=data.max_prompt_length,
+                             truncation=data.truncation, chat_template=data.apply_chat_template)
+
+        return load(data.train_files), (load(data.val_files) if data.val_files else None)
+
+    def build_reward_fn(self) -> Any:
+        """The reward manager: ``batch -> RewardOutput`` (``reward.manager`` with ``reward.function``)."""
+        from polyrl.rewards import load_compute_score
+
+        cfg = self.config
+        compute_score = load_compute_score(cfg.reward)  # reward.function or verl's custom_reward_function
+        manager = self.pm.get("reward_manager", cfg.reward.manager)
+        return manager(tokenizer=self.tokenizer, compute_score=compute_score, config=cfg.reward)
+
+    def batch_metrics(self, batch: TensorDict) -> dict[str, float]:
+        """Scores, advantages, lengths and KL of a trained batch (``critic/*``, ``response_length/*``...)."""
+        return _batch_metrics(batch)
+
+    def balance_lengths(self, batch: TensorDict) -> list[int] | None:
+        """The per-row cost that ``trainer.balance_batch`` evens out over data-parallel ranks (tokens);
+        ``None`` disables balancing."""
+        if "attention_mask" not in batch.keys():
+            return None
+        return batch["attention_mask"].sum(-1).tolist()
+
+    def throughput_metrics(self, batch: TensorDict, timing: dict[str, float]) -> dict[str, float]:
+        """``throughput/*``: tokens per second of the whole step and of generation."""
+        tokens = float(batch["attention_mask"].sum())
+        return {
+            "throughput/tokens_per_s": tokens / max(timing["step"], 1e-9),
+            "throughput/gen_tokens_per_s": float(batch["response_mask"].sum()) / max(timing["gen"], 1e-9),
+        }
+
+    def data_parallel_size(self, section: str = "actor") -> int:
+        """The data-parallel size of a role's group: ``trainer.n_workers`` unless the role's engine factory
+        says otherwise (``data_parallel_size(role_config, world_size)``: tensor / pipeline parallel engines)."""
+        cfg = self.config
+        world = cfg.trainer.n_workers if cfg.trainer.executor == "ray" else 1
+        role = getattr(cfg, section)
+        try:
+            factory = self.pm.get("engine", role.engine)
+        except LookupError:  # reported with the key by the command's name check
+            return world
+        size_of = getattr(factory, "data_parallel_size", None)
+        return int(size_of(role, world)) if size_of is not None else world
+
     # ------------------------------------------------------------------ set-up
     def _check_config(self) -> None:
         cfg = self.config
@@ -165,11 +226,14 @@ class PPOTrainer:
                 f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of "
                 f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size}"
             )
-        n_workers = cfg.trainer.n_workers if cfg.trainer.executor == "ray" else 1
+        dp = self.data_parallel_size("actor")
+        self.dp_size = dp
         rows = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
-        if rows % n_workers:
+        if rows % dp:
+            world = cfg.trainer.n_workers if cfg.trainer.executor == "ray" else 1
             raise ConfigError(
-                f"actor.ppo_mini_batch_size * rollout.n = {rows} rows must divide over trainer.n_workers={n_workers}"
+                f"actor.ppo_mini_batch_size * rollout.n = {rows} rows must divide over the actor's {dp} data-parallel "
+                f"ranks (trainer.n_workers={world} divided by the engine's model-parallel size)"
             )
         if cfg.trainer.executor not in ("ray", "local"):
             raise ConfigError(f"trainer.executor={cfg.trainer.executor!r}: choose 'ray' or 'local'")
@@ -219,7 +283,7 @@ class PPOTrainer:
             setup_run_logging(self.run_dir)  # RUN_DIR/train.log, appended on resume
             resume_from = self._resume_point()
             self._write_run_files()
-            self.groups = build_role_groups(cfg, manifest=self.manifest, use_ref=self.use_ref,
+            self.groups = build_role_groups(cfg, manifest=self.manifest, use_ref=self.use_ref, worker_cls=self.worker_cls,
                                             use_critic=self.use_critic, run_dir=self.run_dir)
             tracker = Tracker(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
                               experiment=cfg.trainer.experiment_name, config=to_dict(cfg),
@@ -240,6 +304,7 @@ class PPOTrainer:
                 last_val = self.validate()
                 tracker.log(last_val, self.global_step)
             bar = _progress(cfg.trainer.progress_bar, self.total_steps, self.global_step)
+            self.rollout_source.start()
             while self.global_step < self.total_steps:
                 metrics = self.step()
                 self.global_step += 1
@@ -261,6 +326,7 @@ class PPOTrainer:
                 bar.close()
         finally:
             try:
+                self.rollout_source.stop()
                 tracker.close()
                 self.groups.shutdown()
             finally:
@@ -324,10 +390,9 @@ class PPOTrainer:
         filter_cfg = cfg.algorithm.filter_groups
         reward_metrics: dict[str, list[float]] = defaultdict(list)
         while True:
-            rows = self._next_rows()
             gen_rounds += 1
-            with _timer(timing, "gen"):
-                batch = self._generate(rows, n, validate=False)
+            with _timer(timing, "gen"):  # async modes: the wait for samples generated meanwhile
+                batch = self.rollout_source.next_batch()  # sync: self._generate(self._next_rows(), n, ...)
             with _timer(timing, "reward"):
                 out = self.reward_fn(batch)
             batch["token_level_scores"] = out.token_level_scores.float()
@@ -339,7 +404,7 @@ class PPOTrainer:
                     batch[f"_{key}"] = torch.tensor([float(x) for x in out.extra[key]])
             if not filter_cfg.enable:
                 kept = [batch]
-                kept_groups = len(rows)
+                kept_groups = batch.batch_size[0] // n
                 break
             batch, groups_left = _filter_groups(batch, filter_cfg.metric, n)
             if groups_left:
@@ -352,13 +417,14 @@ class PPOTrainer:
         fault_point("gen", self.global_step + 1)
         batch = batch_ops.concat(kept) if len(kept) > 1 else kept[0]
         if filter_cfg.enable:
-            batch = _fit_to_groups(batch, cfg.data.train_batch_size, n, cfg.trainer.n_workers, cfg.actor.ppo_mini_batch_size)
+            batch = _fit_to_groups(batch, cfg.data.train_batch_size, n, groups.actor.dp_size("update_actor"),
+                                   cfg.actor.ppo_mini_batch_size)
         metrics: dict[str, float] = {"train/gen_rounds": float(gen_rounds)}
         metrics.update({k: float(np.mean(v)) for k, v in reward_metrics.items()})
-        world = groups.actor.world_size
-        if cfg.trainer.balance_batch and world > 1:  # every rank about the same tokens, groups kept whole
-            order, imbalance = batch_ops.balanced_order(
-                batch["attention_mask"].sum(-1).tolist(), batch_ops.non_tensor(batch, "uid"), world)
+        world = groups.actor.dp_size("update_actor")
+        lengths = self.balance_lengths(batch) if cfg.trainer.balance_batch and world > 1 else None
+        if lengths is not None:  # every data-parallel rank about the same tokens, groups kept whole
+            order, imbalance = batch_ops.balanced_order(lengths, batch_ops.non_tensor(batch, "uid"), world)
             batch = batch[torch.tensor(order)]
             metrics["batch/rank_tokens_max_over_mean"] = imbalance
 
@@ -424,15 +490,14 @@ class PPOTrainer:
         fault_point("update", self.global_step + 1)
         # weights_for_rollout -> rollout.update_weights
         with _timer(timing, "weight_sync"):
-            groups.sync_weights()
+            self.rollout_source.push_weights()  # sync: groups.sync_weights()
 
-        metrics.update(_batch_metrics(batch))
+        metrics.update(self.rollout_source.end_step(self.global_step + 1, batch))  # async: staleness, sample ids
+        metrics.update(self.batch_metrics(batch))
         metrics.update(agent_metrics(batch))
         timing["step"] = time.perf_counter() - t_step
         metrics.update({f"timing/{k}": v for k, v in timing.items()})
-        tokens = float(batch["attention_mask"].sum())
-        metrics["throughput/tokens_per_s"] = tokens / max(timing["step"], 1e-9)
-        metrics["throughput/gen_tokens_per_s"] = float(batch["response_mask"].sum()) / max(timing["gen"], 1e-9)
+        metrics.update(self.throughput_metrics(batch, timing))
         if self.kl_ctrl is not None:
             self.kl_ctrl.update(metrics.get("actor/reward_kl_penalty", 0.0), n_steps=batch.batch_size[0])
         return metrics
@@ -489,16 +554,23 @@ class PPOTrainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         """Checkpoint every engine and the trainer state (step, data position, RNG, KL controller)."""
+        snapshot = self.rollout_source.snapshot()  # data position and (async) the sample queue, taken at once
         state = {
             "global_step": self.global_step,
-            "loader": self.loader.state_dict(),
+            "loader": snapshot.loader,
+            "rollout_source": snapshot.state,
             "python_rng": _encode_rng(random.getstate()),
             "numpy_rng": _encode_rng(np.random.get_state()),
             "torch_rng": self._torch_rng(),
             "kl_coef": getattr(self.kl_ctrl, "value", None),
             "config": to_dict(self.config),  # a resume with another config is refused unless allowed
         }
-        return self.ckpt.save(self.global_step, self.groups.save_checkpoint, state)
+
+        def save_all(path: str) -> None:
+            self.groups.save_checkpoint(path)
+            snapshot.write(path)
+
+        return self.ckpt.save(self.global_step, save_all, state)
 
     def _torch_rng(self) -> list[int]:
         # The driver computes on the CPU only; each engine saves its device's RNG through its platform.
@@ -510,6 +582,7 @@ class PPOTrainer:
         self.global_step = state["global_step"]
         self.loader.load_state_dict(state["loader"])
         self._iter = iter(self.loader)
+        self.rollout_source.restore(path, state.get("rollout_source"))
         random.setstate(_decode_rng(state["python_rng"]))
         np.random.set_state(_decode_rng(state["numpy_rng"]))
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))

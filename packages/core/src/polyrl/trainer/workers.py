@@ -4,7 +4,8 @@
 and, when used, the reference and the critic (the hybrid engine; weights move
 in-process). ``split``: the rollout gets its own pool of
 ``trainer.rollout_workers`` processes and weights travel from actor rank 0
-through Ray's object store. The ``local`` executor puts one rank of everything in
+through a process group or Ray's object store (``trainer.weight_transfer``,
+:mod:`polyrl.trainer.weight_transfer`). The ``local`` executor puts one rank of everything in
 the driver process.
 """
 
@@ -18,12 +19,12 @@ from typing import Any
 from tensordict import TensorDict
 
 from polyrl import batch as batch_ops
-from polyrl.controller.distributed import free_port
-from polyrl.controller.worker import Worker
 from polyrl.controller.worker_group import LocalWorkerGroup, RayWorkerGroup, WorkerGroup
+from polyrl.distributed import free_port
 from polyrl.manifest import Manifest
 from polyrl.protocols import SamplingParams
 from polyrl.rollout.replicas import Replica, plan_replicas, replica_call_args, replica_of
+from polyrl.trainer.role_worker import Worker
 
 
 @dataclass
@@ -38,6 +39,9 @@ class RoleGroups:
     owns_ray: bool = False
     #: Tensor-parallel rollout replicas over the rollout group's ranks (``None``: tp=1, one per rank).
     replicas: list[Replica] | None = None
+    #: Split placement with ``trainer.weight_transfer=collective``: the actor -> rollout process group
+    #: (:class:`polyrl.trainer.weight_transfer.CollectiveWeightSync`); ``None``: through the object store.
+    weight_transfer: Any = None
 
     def generate(self, samples: list[dict], sampling: SamplingParams) -> TensorDict:
         """Generate for ``samples`` split over the rollout ranks (over the replicas' leaders when the
@@ -52,12 +56,16 @@ class RoleGroups:
         return batch
 
     def sync_weights(self) -> None:
-        """Actor weights -> rollout (in-process when colocated, via the object store when split)."""
+        """Actor weights -> rollout (in-process when colocated; when split, through a process group or the
+        object store, ``trainer.weight_transfer``)."""
         if self.colocated:
             self.actor.call_all("sync_rollout_weights")
         else:
-            buckets = next(b for b in self.actor.call_all("gather_weights") if b is not None)
-            self.rollout.call_all("load_rollout_weights", buckets)
+            if self.weight_transfer is not None:
+                self.weight_transfer.sync()
+            else:
+                buckets = next(b for b in self.actor.call_all("gather_weights") if b is not None)
+                self.rollout.call_all("load_rollout_weights", buckets)
             self.rollout.call_all("sleep_rollout")
 
     def save_checkpoint(self, path: str) -> None:
@@ -85,9 +93,62 @@ class RoleGroups:
             ray.shutdown()
 
 
+@dataclass
+class StartedGroup:
+    """A worker group and whether starting it started Ray (then :meth:`shutdown` stops Ray too)."""
+
+    group: WorkerGroup
+    owns_ray: bool = False
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+        if self.owns_ray:
+            import ray
+
+            ray.shutdown()
+
+
+def start_role_group(config: Any, *, roles: list[str], manifest: Manifest | None, name: str, run_dir: Path,
+                     role_kind: str = "rl", world_size: int | None = None,
+                     worker_cls: type | None = None) -> WorkerGroup:
+    """Start the worker group of ``roles`` (``polyrl train``, ``sft`` and ``export`` all come here).
+
+    ``trainer.executor=local`` runs one rank in this process; ``ray`` starts ``world_size`` (default
+    ``trainer.n_workers``) actors, each with one CPU and one of the platform's accelerators
+    (``trainer.device``), in a placement group named ``polyrl-<name>``. With the ``ray`` executor Ray must
+    already run in this process (:func:`start_ray`, or :func:`open_role_group` which starts it).
+    """
+    cls = worker_cls or Worker
+    kwargs = dict(config=config, roles=roles, manifest=manifest, master_port=free_port(), role_kind=role_kind)
+    if config.trainer.executor == "local":
+        return LocalWorkerGroup(cls, **kwargs)
+    size = world_size if world_size is not None else config.trainer.n_workers
+    from polyrl.controller.cluster import prepare_cluster  # strategy checked; every node's plugins on a cluster
+
+    strategy = prepare_cluster(config, manifest)
+    return RayWorkerGroup(cls, size, resources_per_worker=_resources(config), name=name, strategy=strategy, **kwargs)
+
+
+def open_role_group(config: Any, *, roles: list[str], manifest: Manifest | None, name: str, run_dir: Path,
+                    role_kind: str = "rl", worker_cls: type | None = None) -> StartedGroup:
+    """Start Ray when the executor needs it and this process has none, then :func:`start_role_group`;
+    the result's ``shutdown()`` stops both."""
+    owns_ray = config.trainer.executor != "local" and start_ray(config, run_dir)
+    try:
+        group = start_role_group(config, roles=roles, manifest=manifest, name=name, run_dir=run_dir,
+                                 role_kind=role_kind, worker_cls=worker_cls)
+    except BaseException:
+        if owns_ray:
+            import ray
+
+            ray.shutdown()
+        raise
+    return StartedGroup(group, owns_ray)
+
+
 def build_role_groups(config: Any, *, manifest: Manifest | None, use_ref: bool, use_critic: bool,
-                      run_dir: Path) -> RoleGroups:
-    """Start the worker groups the run's placement asks for."""
+                      run_dir: Path, worker_cls: type | None = None) -> RoleGroups:
+    """Start the worker groups the run's placement asks for (``worker_cls``: the trainer's worker class)."""
     trainer = config.trainer
     lora = config.actor.model.lora.rank > 0
     train_roles = ["actor"] + (["ref"] if use_ref and not lora else []) + (["critic"] if use_critic else [])
@@ -96,28 +157,48 @@ def build_role_groups(config: Any, *, manifest: Manifest | None, use_ref: bool, 
     rollout_devices = 1 if trainer.executor == "local" else (
         trainer.n_workers if trainer.placement == "colocated" else trainer.rollout_workers)
     plan_replicas(rollout_devices, tp)
+    start = dict(manifest=manifest, run_dir=run_dir, worker_cls=worker_cls)
     if trainer.executor == "local":
-        group = LocalWorkerGroup(Worker, config=config, roles=train_roles + ["rollout"], manifest=manifest,
-                                 master_port=free_port())
+        group = start_role_group(config, roles=train_roles + ["rollout"], name="local", **start)
         return RoleGroups(group, group, group if use_ref else None, group if use_critic else None, True)
-    owns_ray = start_ray(config, run_dir)
-    resources = _resources(config)
-    if trainer.placement == "colocated":
-        group = RayWorkerGroup(Worker, trainer.n_workers, resources_per_worker=resources, config=config,
-                               roles=train_roles + ["rollout"], manifest=manifest, master_port=free_port(),
-                               name="colocated")
-        groups = RoleGroups(group, group, group if use_ref else None, group if use_critic else None, True, owns_ray)
-        return _place_replicas(groups, tp)
-    if trainer.placement != "split":
+    if trainer.placement not in ("colocated", "split"):
         from polyrl.errors import ConfigError
 
         raise ConfigError(f"trainer.placement={trainer.placement!r}: choose 'colocated' or 'split'")
-    actor = RayWorkerGroup(Worker, trainer.n_workers, resources_per_worker=resources, config=config,
-                           roles=train_roles, manifest=manifest, master_port=free_port(), name="actor")
-    rollout = RayWorkerGroup(Worker, trainer.rollout_workers, resources_per_worker=resources, config=config,
-                             roles=["rollout"], manifest=manifest, master_port=free_port(), name="rollout")
-    groups = RoleGroups(actor, rollout, actor if use_ref else None, actor if use_critic else None, False, owns_ray)
-    return _place_replicas(groups, tp)
+    from polyrl.trainer.weight_transfer import CollectiveWeightSync, resolve_weight_transfer
+
+    transfer = resolve_weight_transfer(config, _platform(config)) if trainer.placement == "split" else None
+    owns_ray = start_ray(config, run_dir)
+    started: list[WorkerGroup] = []
+
+    def open_group(**kwargs: Any) -> WorkerGroup:
+        started.append(start_role_group(config, **start, **kwargs))
+        return started[-1]
+
+    try:
+        if trainer.placement == "colocated":
+            group = open_group(roles=train_roles + ["rollout"], name="colocated")
+            groups = RoleGroups(group, group, group if use_ref else None, group if use_critic else None, True, owns_ray)
+            return _place_replicas(groups, tp)
+        actor = open_group(roles=train_roles, name="actor")
+        rollout = open_group(roles=["rollout"], name="rollout", world_size=trainer.rollout_workers)
+        groups = _place_replicas(
+            RoleGroups(actor, rollout, actor if use_ref else None, actor if use_critic else None, False, owns_ray), tp)
+        if transfer == "collective":
+            leaders = [r.leader for r in groups.replicas] if groups.replicas else list(range(rollout.world_size))
+            groups.weight_transfer = CollectiveWeightSync(actor, rollout, leaders)
+        return groups
+    except BaseException:  # a group that failed to start (or a node check) must not leave Ray or workers behind
+        for group in started:
+            try:
+                group.shutdown()
+            except Exception:  # already stopped (_place_replicas stops the groups it fails on)
+                pass
+        if owns_ray:
+            import ray
+
+            ray.shutdown()
+        raise
 
 
 def _place_replicas(groups: RoleGroups, tp: int) -> RoleGroups:
@@ -142,11 +223,15 @@ def _place_replicas(groups: RoleGroups, tp: int) -> RoleGroups:
     return groups
 
 
-def _resources(config: Any) -> dict[str, float]:
+def _platform(config: Any) -> Any:
     from polyrl.platforms import detect_platform, get_platform
 
     device = config.trainer.device
-    platform = detect_platform() if device == "auto" else get_platform(device)
+    return detect_platform() if device == "auto" else get_platform(device)
+
+
+def _resources(config: Any) -> dict[str, float]:
+    platform = _platform(config)
     bundle: dict[str, float] = {"CPU": 1}
     if platform.ray_resource:
         bundle[platform.ray_resource] = 1
@@ -173,9 +258,10 @@ def ray_temp_dir(run_dir: Path) -> Path:
 def start_ray(config: Any, run_dir: Path) -> bool:
     """Start Ray for this run; False if Ray is already initialized in this process.
 
-    With ``trainer.ray_address`` the driver joins that cluster (its auth settings apply). Otherwise a local
-    Ray starts with temporary files under the run directory, its node address on loopback and no
-    dashboard. Ray's token authentication is left as configured (on by default in recent Ray); tests opt
+    With ``trainer.ray_address`` (or, when that is empty, the ``RAY_ADDRESS`` environment variable) the
+    driver joins that cluster (its auth settings apply; no resource counts are passed: the cluster's nodes
+    declared theirs in ``ray start``). Otherwise a local Ray starts with temporary files under the run
+    directory, its node address on loopback and no dashboard. Ray's token authentication is left as configured (on by default in recent Ray); tests opt
     out with ``RAY_AUTH_MODE=disabled`` in their environment. See docs/security.md.
     """
     import ray
@@ -186,7 +272,9 @@ def start_ray(config: Any, run_dir: Path) -> bool:
     env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
     if "RAY_AUTH_MODE" in os.environ:  # the workers follow the driver's choice, whatever it is
         env_vars["RAY_AUTH_MODE"] = os.environ["RAY_AUTH_MODE"]
-    address = getattr(config.trainer, "ray_address", "") or ""
+    from polyrl.controller.cluster import cluster_address
+
+    address = cluster_address(config)
     if address:
         ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": env_vars})
         return True

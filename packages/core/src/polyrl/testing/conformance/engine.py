@@ -130,7 +130,7 @@ class EngineConformance:
         seen: list[torch.Tensor] = []
 
         def record(out, mb, scale):
-            seen.append(out["log_probs"].detach().clone())
+            seen.append(out["log_probs"].detach().cpu().clone())
             return _loss(out, mb, scale)
 
         cold = engine.infer_batch(batch, temperature=0.7)["log_probs"]

@@ -1,0 +1,160 @@
+"""What a run over several Ray nodes needs: the cluster's address, the manifest checked on every node, and
+the torch.distributed rendezvous on the node of a group's first rank.
+
+A single local Ray (what ``polyrl train`` starts by itself) keeps everything on loopback: the worker
+groups meet at ``127.0.0.1`` on a port found by the driver, and no node check runs (the workers run the
+driver's own interpreter). Joining a cluster (``trainer.ray_address`` or ``RAY_ADDRESS``) changes two
+things: before any worker starts, a small Ray task on every alive node rebuilds the run's plugin manager
+from the manifest (:func:`check_manifest_on_nodes`), so that a node missing a plugin fails at once with
+its name and the ``pip install`` line, not half-way through building a worker group; and a group whose
+ranks span nodes meets at its rank 0's node address, on a port that was free on that node
+(:func:`rendezvous_address`). See docs/cluster.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from polyrl.errors import ManifestError
+from polyrl.manifest import Manifest
+
+logger = logging.getLogger(__name__)
+
+#: Placement-group strategies Ray offers (``trainer.placement_strategy``).
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def cluster_address(config: Any) -> str:
+    """The Ray cluster this run joins: ``trainer.ray_address``, else ``RAY_ADDRESS`` ('' = start a local Ray)."""
+    return (getattr(config.trainer, "ray_address", "") or os.environ.get("RAY_ADDRESS", "")).strip()
+
+
+#: (Ray job, manifest) pairs whose nodes were checked: a run with several worker groups checks once.
+_checked: set[tuple[str, Manifest | None]] = set()
+
+
+def prepare_cluster(config: Any, manifest: Manifest | None) -> str:
+    """Before a worker group starts on Ray: check ``trainer.placement_strategy`` (returned, upper-cased)
+    and, on a cluster joined by address or with more than one node, the manifest on every node (once per
+    Ray job and manifest)."""
+    import ray
+
+    from polyrl.errors import ConfigError
+
+    strategy = str(getattr(config.trainer, "placement_strategy", "") or "PACK").upper()
+    if strategy not in PLACEMENT_STRATEGIES:
+        raise ConfigError(f"config key 'trainer.placement_strategy': {strategy!r} is not a Ray placement "
+                          f"strategy; choose one of {', '.join(PLACEMENT_STRATEGIES)}")
+    key = (ray.get_runtime_context().get_job_id(), manifest)
+    if key not in _checked and (cluster_address(config) or sum(1 for n in ray.nodes() if n.get("Alive")) > 1):
+        from polyrl.plugins import get_plugin_manager
+
+        check_manifest_on_nodes(manifest, get_plugin_manager())
+        _checked.add(key)
+    return strategy
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _node_endpoint(loopback: bool) -> tuple[str, int]:
+    """Runs on the node of a group's rank 0: its address (loopback when every rank is on this node) and
+    a port free there a moment ago."""
+    import ray
+
+    if loopback:
+        return "127.0.0.1", _free_port("127.0.0.1")
+    return ray.util.get_node_ip_address(), _free_port("")
+
+
+def rendezvous_address(node_ids: Sequence[str]) -> tuple[str, int]:
+    """Where the ranks of a group on ``node_ids`` (the Ray node id of each rank) meet: ``(address, port)``.
+
+    All ranks on the driver's node: loopback and a port free here (a local run). Otherwise the address is
+    found on rank 0's node by a small Ray task: loopback again when all ranks share that node, else the
+    node's IP as Ray knows it, with a port free on all of that node's interfaces.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    first = node_ids[0] if node_ids else ""
+    one_node = len(set(node_ids)) <= 1
+    if not first or (one_node and first == ray.get_runtime_context().get_node_id()):
+        return "127.0.0.1", _free_port("127.0.0.1")
+    task = ray.remote(_node_endpoint).options(
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(first, soft=False))
+    address, port = ray.get(task.remote(one_node), timeout=300)
+    logger.info("rendezvous of %d ranks over %d node(s) at %s:%d", len(node_ids), len(set(node_ids)), address, port)
+    return address, port
+
+
+def _node_report(manifest: Manifest | None) -> dict[str, Any]:
+    """Runs on one node: load the run's plugins as a worker there would, and say what loaded (or why not)."""
+    import ray
+
+    from polyrl.plugins import PluginManager
+
+    where = {"node_ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname()}
+    try:
+        pm = PluginManager(manifest)
+    except Exception as exc:  # reported to the driver, which raises with the node's name
+        return {**where, "error": f"{type(exc).__name__}: {exc}"}
+    plugins = {p["name"]: (p["distribution"], p["version"]) for p in pm.describe()}
+    return {**where, "error": None, "plugins": plugins}
+
+
+def check_manifest_on_nodes(manifest: Manifest | None, plugins: Any) -> None:
+    """Load the run's plugins on every alive node of the Ray cluster this process is connected to, and
+    raise :class:`~polyrl.errors.ManifestError` naming each node where that fails or loads something
+    other than the driver (``plugins``: the driver's plugin manager), with the ``pip install`` line."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    task = ray.remote(_node_report)
+    refs = [task.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+            .remote(manifest) for n in nodes]
+    reports = ray.get(refs, timeout=600)
+    driver = {p["name"]: (p["distribution"], p["version"]) for p in plugins.describe()}
+    problems = []
+    for node, report in zip(nodes, reports, strict=True):
+        name = node.get("NodeName") or report["hostname"]
+        label = f"node {name} (ip {report['node_ip']}, host {report['hostname']}, Ray node id {node['NodeID'][:12]})"
+        if report["error"] is not None:
+            failing = [d for d, _ in driver.values() if d and d != "polyrl" and d in report["error"]]
+            problems.append(f"{label}: the run's plugins do not load there: {report['error']}\n"
+                            f"  Install them on that node: {_pip_line(driver, failing)}")
+            continue
+        missing = {k: v for k, v in driver.items() if k not in report["plugins"]}
+        differ = {k: (v, report["plugins"][k][1]) for k, v in driver.items()
+                  if k in report["plugins"] and report["plugins"][k][1] != v[1]}
+        if missing or differ:
+            what = [f"plugin '{k}' ({d or 'no distribution'}) is missing" for k, (d, _) in missing.items()]
+            what += [f"plugin '{k}' is {d} {there} there but {here} on the driver"
+                     for k, ((d, here), there) in differ.items()]
+            problems.append(f"{label}: {'; '.join(what)}.\n  Install the driver's versions there: "
+                            f"{_pip_line(driver, [driver[k][0] for k in (*missing, *differ)])}")
+    if problems:
+        raise ManifestError(
+            f"manifest {getattr(manifest, 'source', None) or '<none: every installed plugin>'}: "
+            f"{len(problems)} of {len(nodes)} Ray node(s) cannot run this run's workers:\n" + "\n".join(problems)
+            + "\nEvery node of the cluster needs the same plugins as the driver (docs/cluster.md).")
+    logger.info("manifest checked on %d Ray node(s)", len(nodes))
+
+
+def _pip_line(driver: dict[str, tuple[str | None, str | None]], distributions: Sequence[str | None]) -> str:
+    """``pip install 'dist==version' ...`` for ``distributions`` (default: every plugin distribution of the
+    driver, the core included), pinned to the driver's versions."""
+    versions = {d: v for d, v in driver.values() if d}
+    wanted = [d for d in dict.fromkeys(distributions) if d] or sorted(versions)
+    return "pip install " + " ".join(f"'{d}=={versions[d]}'" if versions.get(d) else f"'{d}'" for d in wanted)
+
+
+__all__ = ["PLACEMENT_STRATEGIES", "check_manifest_on_nodes", "cluster_address", "prepare_cluster", "rendezvous_address"]

@@ -1,0 +1,168 @@
+"""DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117) as an algorithm of the ``flow_grpo`` trainer.
+
+Select it with ``trainer.flow_grpo.algorithm: diffusion_nft`` (options in ``trainer.flow_grpo.nft``).
+The step is the core's, unchanged: generate -> reward -> advantages (the ``flow_grpo`` estimator:
+per-prompt normalised rewards) -> actor update -> weight sync. What differs is the actor update
+(:func:`update_actor_nft`, called by the worker in place of the PPO update):
+
+1. the rollout's clean samples ``x0`` are noised on the forward process at ``K`` random times per
+   image, ``x_t = (1 - t) x0 + t eps``, with the flow-matching target ``v = eps - x0``;
+2. the sampling policy's velocity ``v_old`` at those points is computed once, before any optimiser step;
+3. the loss is :func:`polyrl_diffusion.algorithms.compute_diffusion_nft_loss` with the optimality
+   probability ``r = 1/2 + 1/2 clip(A / adv_clip_max, -1, 1)`` of each image.
+
+Nothing per sampling step is needed (no log-probs, no SDE): any sampler works, the ODE one included
+(``noise_level: 0``), and the training forward is CFG-free (conditional velocity only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: batch fields of the rollout the NFT update keeps (text conditioning); CFG's negative branch is dropped
+CONDITIONING = ("prompt_embeds", "pooled_prompt_embeds", "text_ids", "prompt_attention_mask")
+
+
+@dataclass
+class DiffusionNFTConfig:
+    """``trainer.flow_grpo.nft``: DiffusionNFT's options."""
+
+    #: ``beta`` of the implicit policies ``v+ = (1 - beta) v_old + beta v``, ``v- = (1 + beta) v_old - beta v``.
+    beta: float = 1.0
+    #: Noised copies of each clean sample per update (``K`` forward-process times).
+    num_timesteps: int = 4
+    #: The forward-process times are drawn uniformly in ``[t_min, t_max]``.
+    t_min: float = 0.05
+    t_max: float = 0.95
+    #: ``r = 1/2 + 1/2 clip(A / adv_clip_max, -1, 1)`` from the normalised reward ``A``.
+    adv_clip_max: float = 1.0
+    #: The authors' per-sample normalisation of each branch by its mean absolute x0 error.
+    adaptive_weight: bool = False
+    #: ``kl_coef * ||v - v_ref||^2`` to the reference (the adapter-disabled model or the ref engine).
+    kl_coef: float = 0.0
+
+
+def check_nft_config(cfg: DiffusionNFTConfig, key: str = "trainer.flow_grpo.nft") -> None:
+    """ConfigErrors naming the key, before any worker starts."""
+    from polyrl.errors import ConfigError
+
+    if cfg.beta <= 0:
+        raise ConfigError(f"{key}.beta={cfg.beta} must be > 0")
+    if cfg.num_timesteps < 1:
+        raise ConfigError(f"{key}.num_timesteps={cfg.num_timesteps} must be >= 1")
+    if not 0 < cfg.t_min <= cfg.t_max < 1:
+        raise ConfigError(f"{key}.t_min={cfg.t_min} / {key}.t_max={cfg.t_max}: need 0 < t_min <= t_max < 1")
+    if cfg.adv_clip_max <= 0:
+        raise ConfigError(f"{key}.adv_clip_max={cfg.adv_clip_max} must be > 0")
+    if cfg.kl_coef < 0:
+        raise ConfigError(f"{key}.kl_coef={cfg.kl_coef} must be >= 0")
+
+
+def nft_batch(batch: Any, cfg: DiffusionNFTConfig, *, generator: Any = None) -> Any:
+    """The forward-process training batch of DiffusionNFT from a rollout batch.
+
+    Needs ``x0`` ``[B, C, H, W]`` and ``advantages`` ``[B, T]`` (one value per image on its trained steps).
+    Returns ``latents`` ``[B, K, C, H, W]`` (the noised ``x_t``), ``sigmas`` ``[B, K]`` (``t``),
+    ``nft_target`` (``eps - x0``), ``nft_reward_prob`` ``[B]``, ``response_mask`` ``[B, K]`` and the
+    text conditioning (without CFG's negative branch: NFT trains CFG-free).
+    """
+    import torch
+    from tensordict import TensorDict
+
+    from polyrl_diffusion.algorithms import optimality_probability
+
+    for name in ("x0", "advantages"):
+        if name not in batch.keys():
+            raise KeyError(f"DiffusionNFT needs batch field '{name}' (rollout 'diffusers' sets x0; the trainer's "
+                           "advantage estimator sets advantages); the batch has " + ", ".join(sorted(batch.keys())))
+    x0 = batch["x0"].float()
+    b, k = x0.shape[0], int(cfg.num_timesteps)
+    adv = batch["advantages"].float()
+    mask = batch["response_mask"].float() if "response_mask" in batch.keys() else torch.ones_like(adv)
+    per_image = (adv * mask).sum(-1) / mask.sum(-1).clamp(min=1) if adv.dim() == 2 else adv.reshape(b)
+    t = cfg.t_min + (cfg.t_max - cfg.t_min) * torch.rand(b, k, generator=generator)
+    eps = torch.randn((b, k, *x0.shape[1:]), generator=generator)
+    tt = t.reshape(b, k, *([1] * (x0.dim() - 1)))
+    x_t = (1 - tt) * x0.unsqueeze(1) + tt * eps
+    fields = {
+        "latents": x_t,
+        "sigmas": t,
+        "nft_target": eps - x0.unsqueeze(1),
+        "nft_reward_prob": optimality_probability(per_image, cfg.adv_clip_max),
+        "response_mask": torch.ones(b, k, dtype=torch.long),
+    }
+    for name in CONDITIONING:
+        if name in batch.keys():
+            fields[name] = batch[name]
+    return TensorDict(fields, batch_size=[b])
+
+
+def make_nft_loss(cfg: DiffusionNFTConfig) -> Any:
+    """The engine loss: DiffusionNFT on each (image, time) pair of a micro-batch, summed and divided by the
+    mini-batch's global pair count (``scale.batch_num_tokens``), so micro-batch and DP splits add up."""
+    import torch
+
+    from polyrl_diffusion.algorithms import compute_diffusion_nft_loss
+
+    def loss(out: Any, mb: Any, scale: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        v = out["velocity"]
+        b, k = v.shape[:2]
+        flat = (b * k, *v.shape[2:])
+        r = mb["nft_reward_prob"].reshape(b, 1).expand(b, k).reshape(-1)
+        weight = mb["response_mask"].reshape(-1).float()
+        v_ref = mb["nft_ref_velocity"].reshape(flat) if "nft_ref_velocity" in mb.keys() else None
+        value, metrics = compute_diffusion_nft_loss(
+            v.reshape(flat), mb["nft_old_velocity"].reshape(flat), mb["nft_target"].reshape(flat), r,
+            beta=cfg.beta, adaptive_weight=cfg.adaptive_weight, t=mb["sigmas"].reshape(-1), v_ref=v_ref,
+            kl_coef=cfg.kl_coef, sample_weight=weight)
+        total = getattr(scale, "batch_num_tokens", None)
+        if total:  # the mean over this micro-batch's pairs -> its share of the mini-batch's mean
+            value = value * weight.sum() / total
+        metrics["actor/nft_loss"] = float(value.detach())
+        return value, metrics
+
+    return loss
+
+
+def update_actor_nft(worker: Any, batch: Any) -> dict[str, float]:
+    """The DiffusionNFT actor update on ``batch`` (this rank's shard), in place of the PPO update.
+
+    ``worker`` is the flow_grpo role worker: ``worker.actor`` (the diffusers engine), ``worker.ref`` (or
+    None: the adapter-disabled actor), ``worker.config``. Mini-batches and epochs as the PPO update
+    (``actor.ppo_mini_batch_size`` prompts x ``rollout.n``, ``actor.ppo_epochs``).
+    """
+    import torch
+
+    from polyrl.trainer.role_worker import _run_epochs
+
+    cfg = nft_options(worker.config)
+    actor_cfg = worker.config.actor
+    seed = int(worker.config.data.seed) * 100_003 + int(getattr(worker, "_nft_calls", 0)) * 101 + worker.actor.dp_rank
+    worker._nft_calls = int(getattr(worker, "_nft_calls", 0)) + 1
+    data = nft_batch(batch, cfg, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        data["nft_old_velocity"] = worker.actor.infer_batch(data)["velocity"].detach()
+        if cfg.kl_coef > 0:
+            engine = worker.ref if worker.ref is not None else worker.actor
+            data["nft_ref_velocity"] = engine.infer_batch(data, disable_adapter=worker.ref is None)["velocity"]
+    rows = actor_cfg.ppo_mini_batch_size * worker.config.rollout.n // worker.actor.dp_size
+    return _run_epochs(worker.actor, data, rows, actor_cfg.ppo_epochs, make_nft_loss(cfg), actor_cfg.shuffle,
+                       worker.actor.dp_rank)
+
+
+def nft_options(config: Any) -> DiffusionNFTConfig:
+    """``trainer.flow_grpo.nft`` of a run's config (the defaults when the block is absent)."""
+    plugin = getattr(config.trainer, "plugin_config", None)
+    value = getattr(plugin, "nft", None)
+    if isinstance(value, DiffusionNFTConfig):
+        return value
+    if isinstance(value, dict):
+        return DiffusionNFTConfig(**value)
+    return DiffusionNFTConfig()
+
+
+def is_nft(config: Any) -> bool:
+    """Whether a run's config selects DiffusionNFT (``trainer.flow_grpo.algorithm: diffusion_nft``)."""
+    plugin = getattr(config.trainer, "plugin_config", None)
+    return str(getattr(plugin, "algorithm", "flow_grpo") or "flow_grpo") == "diffusion_nft"

@@ -1,0 +1,207 @@
+"""Trainer ``flow_grpo``: polyrl's PPO/GRPO loop (:class:`polyrl.trainer.ppo.PPOTrainer`) on images.
+
+Not a second loop: the step (generate -> reward -> old log-probs -> advantages -> actor update -> weight
+sync) is the core's. This subclass changes only what an image model needs: no text tokenizer, prompt
+rows sent as text (agent loop ``diffusion``), the ``image`` reward manager, image metrics, validation by
+ODE sampling with ``eval_steps``, and the ``trainer.flow_grpo`` block checked (and copied to the rollout)
+before any worker starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from polyrl.errors import ConfigError
+from polyrl.trainer.ppo import PPOTrainer
+from polyrl_diffusion.config import DiffusersRolloutConfig, FlowGRPOConfig
+from polyrl_diffusion.worker import FlowGRPOWorker
+
+log = logging.getLogger("polyrl")
+
+
+class FlowGRPOTrainer(PPOTrainer):
+    """Flow-GRPO (and Flow-GRPO-Fast, MixGRPO, DanceGRPO through ``trainer.flow_grpo``) on the PPO loop."""
+
+    worker_cls = FlowGRPOWorker
+
+    def __init__(self, config: Any, *, manifest: Any = None, plugins: Any = None) -> None:
+        from polyrl_diffusion.sampler import check_sampler_config
+
+        fg = config.trainer.plugin_config
+        if not isinstance(fg, FlowGRPOConfig):
+            fg = FlowGRPOConfig()
+            config.trainer.plugin_config = fg
+        self.flow = fg
+        check_sampler_config(fg)
+        if fg.algorithm not in ("flow_grpo", "diffusion_nft"):  # D2: DiffusionNFT selection
+            raise ConfigError(f"trainer.flow_grpo.algorithm={fg.algorithm!r}: choose 'flow_grpo' or 'diffusion_nft'")
+        if fg.algorithm == "diffusion_nft":
+            from polyrl_diffusion.nft import check_nft_config
+
+            check_nft_config(fg.nft)
+        if config.actor.engine != "diffusers":
+            raise ConfigError(f"trainer.name=flow_grpo trains with actor.engine=diffusers, not {config.actor.engine!r}")
+        if config.rollout.name != "diffusers":
+            raise ConfigError(f"trainer.name=flow_grpo samples with rollout.name=diffusers, not {config.rollout.name!r}")
+        if config.algorithm.adv_estimator == "gae":
+            raise ConfigError("algorithm.adv_estimator=gae needs a critic; flow_grpo has none: use flow_grpo or grpo")
+        from polyrl_diffusion.models import pipeline_family
+
+        self.family, self.tiny = pipeline_family(config.actor.model.path, "actor.model.path")
+        rollout_opts = config.rollout.plugin_config
+        if not isinstance(rollout_opts, DiffusersRolloutConfig):
+            rollout_opts = DiffusersRolloutConfig()
+        rollout_opts.sampler = fg  # the workers' rollout samples with the trainer's block
+        config.rollout.plugin_config = rollout_opts
+        if getattr(config.agent, "default_loop", "single_turn") == "single_turn":
+            config.agent.default_loop = "diffusion"
+        super().__init__(config, manifest=manifest, plugins=plugins)
+        if fg.algorithm == "diffusion_nft":  # D2: NFT trains on clean samples, no per-step log-probs
+            self.skip_old_log_prob = True
+
+    # ------------------------------------------------------------------ what differs from text RL
+    def build_tokenizer(self) -> Any:
+        """The pipeline's tokenizer (tiny pipelines) for the prompt-length check; ``None`` for real pipelines."""
+        if not self.tiny:
+            return None
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(f"{self.config.actor.model.path}/tokenizer")
+
+    def _max_text_length(self) -> int | None:
+        if not self.tiny:
+            return None
+        import json
+        from pathlib import Path
+
+        cfg = json.loads((Path(self.config.actor.model.path) / "text_encoder" / "config.json").read_text())
+        return int(cfg["max_position_embeddings"])
+
+    def build_datasets(self) -> tuple[Any, Any]:
+        """Rows of ``data.train_files`` / ``data.val_files`` (verl's format; ``prompt`` as text or chat, optional
+        ``negative_prompt``), checked: a prompt longer than the text encoder takes, or CFG on a FLUX model
+        without a negative prompt, is a ConfigError naming the file and row."""
+        from polyrl.data.dataset import load_rows, validate_row
+        from polyrl_diffusion.agent_loop import prompt_text
+
+        data = self.config.data
+        limit = self._max_text_length()
+
+        def load(files: Any) -> list[dict]:
+            rows: list[dict] = []
+            for f in files:
+                for i, row in enumerate(load_rows(f, self.pm)):
+                    validate_row(row, str(f), i)
+                    for key in ("prompt", "negative_prompt"):
+                        text = prompt_text(row.get(key)) if row.get(key) is not None else None
+                        if text and limit is not None:
+                            n = len(self.tokenizer(text)["input_ids"])
+                            if n > limit:
+                                raise ConfigError(f"{f} row {i}: '{key}' is {n} tokens; the text encoder of "
+                                                  f"actor.model.path={self.config.actor.model.path} takes {limit}. "
+                                                  "Shorten it")
+                    if (self.flow.cfg_scale > 1 and self.family == "flux" and not row.get("negative_prompt")
+                            and not self.flow.negative_prompt):
+                        raise ConfigError(f"{f} row {i}: trainer.flow_grpo.cfg_scale={self.flow.cfg_scale} on a FLUX "
+                                          "model needs a negative prompt (set trainer.flow_grpo.negative_prompt or "
+                                          "the rows' negative_prompt)")
+                    rows.append(row)
+            return rows
+
+        if self.flow.negative_prompt and limit is not None:
+            n = len(self.tokenizer(self.flow.negative_prompt)["input_ids"])
+            if n > limit:
+                raise ConfigError(f"trainer.flow_grpo.negative_prompt is {n} tokens; the text encoder takes {limit}")
+        return load(data.train_files), (load(data.val_files) if data.val_files else None)
+
+    def build_reward_fn(self) -> Any:
+        """The reward manager for images: ``reward.manager`` when set to something else than the text default
+        ``naive``, else ``trainer.flow_grpo.reward_manager`` (``image``)."""
+        from polyrl.rewards import load_compute_score
+
+        cfg = self.config
+        name = cfg.reward.manager if cfg.reward.manager != "naive" else self.flow.reward_manager
+        manager = self.pm.get("reward_manager", name)
+        return manager(tokenizer=None, compute_score=load_compute_score(cfg.reward), config=cfg.reward)
+
+    def _next_rows(self) -> list[dict]:
+        # the training step rides on each row: MixGRPO's window moves with it
+        return [dict(row, _train_step=self.global_step) for row in super()._next_rows()]
+
+    def balance_lengths(self, batch: TensorDict) -> list[int] | None:
+        """Every image costs the same: no balancing needed."""
+        return None
+
+    def batch_metrics(self, batch: TensorDict) -> dict[str, float]:
+        """Reward, advantage, trained-step and image statistics of a trained batch."""
+        mask = batch["response_mask"].float()
+        scores = batch["token_level_scores"].sum(-1)
+        adv = batch["advantages"][mask.bool()]
+        out = {
+            "critic/score/mean": float(scores.mean()),
+            "critic/score/max": float(scores.max()),
+            "critic/score/min": float(scores.min()),
+            "critic/rewards/mean": float(batch["token_level_rewards"].sum(-1).mean()),
+            "critic/advantages/mean": float(adv.mean()) if adv.numel() else 0.0,
+            "critic/advantages/max": float(adv.max()) if adv.numel() else 0.0,
+            "critic/advantages/min": float(adv.min()) if adv.numel() else 0.0,
+            "diffusion/trained_steps": float(mask.sum(-1).mean()),
+            "diffusion/image_mean": float(batch["images"].float().mean() / 255.0),
+            "diffusion/rollout_log_prob_mean": float((batch["rollout_log_probs"] * mask).sum() / mask.sum().clamp(min=1)),
+        }
+        if "old_log_probs" in batch.keys():
+            diff = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
+            out["rollout/logprob_diff_max"] = float((diff * mask).max())
+        return out
+
+    def throughput_metrics(self, batch: TensorDict, timing: dict[str, float]) -> dict[str, float]:
+        """Images per second of the whole step and of generation."""
+        n = float(batch.batch_size[0])
+        return {"throughput/images_per_s": n / max(timing["step"], 1e-9),
+                "throughput/gen_images_per_s": n / max(timing["gen"], 1e-9)}
+
+    def validate(self) -> dict[str, float]:
+        """Mean reward per data source of ODE samples with ``trainer.flow_grpo.eval_steps`` steps (one image per
+        validation prompt, seeded: the same noise every time, so the curve shows the model, not the draw)."""
+        from polyrl import batch as batch_ops
+        from polyrl.trainer.ppo import _pad_rows
+
+        cfg = self.config
+        rows = list(self.val_set)
+        if cfg.data.val_max_samples:
+            rows = rows[: cfg.data.val_max_samples]
+        per_source: dict[str, list[float]] = defaultdict(list)
+        size = cfg.data.val_batch_size or len(rows)
+        for start in range(0, len(rows), size):
+            part = [dict(r, uid=f"val-{start + i}", _validate=True) for i, r in enumerate(rows[start : start + size])]
+            padded = _pad_rows(part, self.groups.rollout.world_size)
+            batch = self.groups.generate(padded, self._sampling(validate=True))
+            batch_ops.set_non_tensor(batch, "uid", [s["uid"] for s in padded])
+            batch_ops.set_non_tensor(batch, "data_source", [s.get("data_source", "") for s in padded])
+            batch_ops.set_non_tensor(batch, "ground_truth",
+                                     [(s.get("reward_model") or {}).get("ground_truth") for s in padded])
+            batch_ops.set_non_tensor(batch, "extra_info", [s.get("extra_info") or {} for s in padded])
+            scores = self.reward_fn(batch).token_level_scores.sum(-1)
+            sources = batch_ops.non_tensor(batch, "data_source")
+            for i, s in enumerate(padded):
+                if not s.get("_pad"):
+                    per_source[sources[i] or "images"].append(float(scores[i]))
+            self.last_val_images = batch["images"][: len(part)]
+        return {f"val/{src}/reward_mean": float(np.mean(v)) for src, v in per_source.items()}
+
+
+def images_grid(images: torch.Tensor, columns: int = 8) -> np.ndarray:
+    """``uint8 [N, 3, H, W]`` -> one ``[rows * H, columns * W, 3]`` array (blank cells padded)."""
+    n, c, h, w = images.shape
+    rows = -(-n // columns)
+    grid = np.full((rows * h, columns * w, 3), 255, dtype=np.uint8)
+    for i in range(n):
+        r, col = divmod(i, columns)
+        grid[r * h : (r + 1) * h, col * w : (col + 1) * w] = images[i].permute(1, 2, 0).numpy()
+    return grid

@@ -1,0 +1,113 @@
+"""megatron-core's model-parallel state on top of an existing torch.distributed default group.
+
+The worker (or a test) creates the default group (``polyrl.distributed.init_distributed``; gloo on CPU);
+:func:`init_parallel_state` splits it into megatron's tensor-, pipeline- and data-parallel groups
+(order ``tp-cp-ep-dp-pp``: consecutive ranks form a tensor-parallel group) and seeds megatron's RNG tracker.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from polyrl.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_layout: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """Where this rank sits in the (tensor, pipeline, data) layout."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Holds the embedding (pre-process)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Holds the final norm and the output layer / value head (post-process)."""
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def collects_output(self) -> bool:
+        """The one rank of its data-parallel group whose results the controller keeps."""
+        return self.tp_rank == 0 and self.is_last_stage
+
+
+def parallel_info() -> ParallelInfo:
+    """This rank's coordinates; needs :func:`init_parallel_state` first."""
+    from megatron.core import parallel_state as ps
+
+    return ParallelInfo(
+        tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
+    )
+
+
+def init_parallel_state(tp: int = 1, pp: int = 1, *, seed: int = 1234, cpu: bool | None = None,
+                        key: str = "actor.megatron") -> ParallelInfo:
+    """Create megatron's parallel groups for ``tp`` x ``pp`` (data parallel: the rest of the world) and seed
+    its RNG tracker with ``seed``.
+
+    Needs the torch.distributed default group. ``cpu`` (default: the default group's backend is gloo) applies
+    :func:`~polyrl_engine_megatron.cpu_emulation.apply_cpu_emulation` first. Calling it again with the same
+    layout returns the current coordinates; another layout while one is set up is a ``RuntimeError``
+    (call :func:`destroy_parallel_state` first). ``tp * pp`` not dividing the world size is a ConfigError
+    naming ``{key}.tensor_model_parallel_size`` (checked before any group is created).
+    """
+    global _layout
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("init_parallel_state needs torch.distributed's default process group: call "
+                           "polyrl.distributed.init_distributed (or torch.distributed.init_process_group) first")
+    world = dist.get_world_size()
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise ConfigError(f"{key}.tensor_model_parallel_size ({tp}) x {key}.pipeline_model_parallel_size ({pp}) "
+                          f"must divide the role's world size ({world})")
+    if _layout is not None:
+        if _layout != (tp, pp):
+            raise RuntimeError(f"megatron's parallel state is set up for tp={_layout[0]}, pp={_layout[1]}; "
+                               f"call destroy_parallel_state() before tp={tp}, pp={pp}")
+        return parallel_info()
+    if cpu is None:
+        cpu = dist.get_backend() == "gloo"
+    from polyrl_engine_megatron.cpu_emulation import apply_cpu_emulation, check_megatron_core
+
+    if cpu:
+        apply_cpu_emulation()
+    else:
+        check_megatron_core()
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    _layout = (tp, pp)
+    info = parallel_info()
+    logger.debug("megatron parallel state: %s", info)
+    return info
+
+
+def destroy_parallel_state() -> None:
+    """Tear down megatron's parallel groups and RNG tracker (the default group stays). Safe to call twice."""
+    global _layout
+    if _layout is None:
+        return
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    ps.destroy_model_parallel()
+    tensor_parallel.get_cuda_rng_tracker().reset()
+    _layout = None
