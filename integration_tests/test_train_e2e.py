@@ -96,7 +96,8 @@ def test_manifest_requiring_missing_plugin(base_overrides, tmp_path):
 
 
 def test_grpo_split_placement(base_overrides, manifest_file, tmp_path):
-    """The rollout in its own resource pool; weights travel from actor rank 0 through Ray's object store."""
+    """The rollout in its own resource pool; weights travel from actor rank 0 over the weight-transfer process
+    group (trainer.weight_transfer=auto: collective)."""
     train(manifest_file, [], base_overrides + ["trainer.executor=ray", "trainer.placement=split",
                                                "trainer.n_workers=1", "trainer.rollout_workers=1",
                                                "trainer.ray_num_cpus=2"])

@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from polyrl_diffusion.agent_loop import prompt_text
+
 log = logging.getLogger("polyrl_diffusion.rewards")
 
 ImageReward = Callable[..., Any]
@@ -423,17 +425,6 @@ def _field(batch: Any, names: Sequence[str], what: str) -> Any:
                    f"has {sorted(keys)}")
 
 
-def _prompt_text(prompt: Any) -> str:
-    """The text of a prompt: a string, or the content of the last user message of a chat list."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, (list, tuple)) and prompt:
-        users = [m for m in prompt if isinstance(m, Mapping) and m.get("role") == "user"]
-        last = (users or [m for m in prompt if isinstance(m, Mapping)] or [{}])[-1]
-        return str(last.get("content", ""))
-    return "" if prompt is None else str(prompt)
-
-
 class ImageRewardManager:
     """Scores a batch of generated images (registered as reward manager ``image``).
 
@@ -496,7 +487,7 @@ class ImageRewardManager:
 
         images = _field(batch, IMAGE_FIELDS, "generated images")
         n = batch.batch_size[0]
-        prompts = [_prompt_text(p) for p in _field(batch, PROMPT_FIELDS, "prompt text")]
+        prompts = [prompt_text(p) for p in _field(batch, PROMPT_FIELDS, "prompt text")]
         truths = non_tensor(batch, "ground_truth", None)
         infos = non_tensor(batch, "extra_info", None)
         sources = non_tensor(batch, "data_source", "")
