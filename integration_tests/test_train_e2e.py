@@ -90,8 +90,8 @@ def test_engine_not_in_manifest_gives_pip_line(base_overrides, tmp_path):
 
 def test_manifest_requiring_missing_plugin(base_overrides, tmp_path):
     bad = tmp_path / "bad.toml"
-    bad.write_text('[plugins]\nrequire = ["polyrl-engine-megatron>=0.1"]\n')
-    with pytest.raises(ManifestError, match="pip install 'polyrl-engine-megatron>=0.1'"):
+    bad.write_text('[plugins]\nrequire = ["polyrl-no-such-plugin>=0.1"]\n')
+    with pytest.raises(ManifestError, match="pip install 'polyrl-no-such-plugin>=0.1'"):
         train(bad, [], base_overrides)
 
 
