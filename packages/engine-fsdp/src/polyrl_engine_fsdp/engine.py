@@ -624,27 +624,14 @@ class FSDPEngine:
 
     def _meta_model(self) -> nn.Module:
         """The HF model class of this role on the meta device (no memory), with the source's generation config."""
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, GenerationConfig
+        from polyrl.models.export import meta_hf_model
 
-        cls = AutoModelForTokenClassification if self.model_type == "value" else AutoModelForCausalLM
-        with torch.device("meta"):
-            model = cls.from_config(self.hf_config, trust_remote_code=self.config.model.trust_remote_code)
-        if model.can_generate():
-            try:  # the model folder's own sampling defaults (eos ids, temperature...), as from_pretrained reads them
-                model.generation_config = GenerationConfig.from_pretrained(self.config.model.path)
-            except OSError:
-                model.generation_config = GenerationConfig.from_model_config(self.hf_config)
-        return model
+        return meta_hf_model(self.hf_config, self.config.model, value=self.model_type == "value")
 
     def _save_tokenizer(self, out: Path) -> None:
-        from transformers import AutoTokenizer
+        from polyrl.models.export import save_tokenizer
 
-        source = self.config.model.tokenizer_path or self.config.model.path
-        try:
-            AutoTokenizer.from_pretrained(source, trust_remote_code=self.config.model.trust_remote_code).save_pretrained(out)
-        except (OSError, ValueError) as exc:
-            logger.warning("export %s: no tokenizer written (%s.model.tokenizer_path / %s.model.path=%s has none "
-                           "that loads: %s)", out, self.role, self.role, source, exc)
+        save_tokenizer(self.config.model, self.role, out)
 
     # ------------------------------------------------------------------ memory
     def offload(self) -> None:

@@ -512,31 +512,19 @@ class MegatronEngine:
         dist.barrier()
 
     def _meta_model(self) -> Any:
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, GenerationConfig
+        from polyrl.models.export import meta_hf_model
 
         value = self.model_type == "value"
         if value:
             self.hf_config.num_labels = 1
-        cls = AutoModelForTokenClassification if value else AutoModelForCausalLM
-        with torch.device("meta"):
-            model = cls.from_config(self.hf_config, trust_remote_code=self.config.model.trust_remote_code)
+        model = meta_hf_model(self.hf_config, self.config.model, value=value)
         self.hf_config.architectures = [type(model).__name__]
-        if model.can_generate():
-            try:
-                model.generation_config = GenerationConfig.from_pretrained(self.config.model.path)
-            except OSError:
-                model.generation_config = GenerationConfig.from_model_config(self.hf_config)
         return model
 
     def _save_tokenizer(self, out: Path) -> None:
-        from transformers import AutoTokenizer
+        from polyrl.models.export import save_tokenizer
 
-        source = self.config.model.tokenizer_path or self.config.model.path
-        try:
-            AutoTokenizer.from_pretrained(source, trust_remote_code=self.config.model.trust_remote_code).save_pretrained(out)
-        except (OSError, ValueError) as exc:
-            logger.warning("export %s: no tokenizer written (%s.model.tokenizer_path / %s.model.path=%s has none "
-                           "that loads: %s)", out, self.role, self.role, source, exc)
+        save_tokenizer(self.config.model, self.role, out)
 
     # ------------------------------------------------------------------ checkpoints
     def _fingerprint(self) -> str:
