@@ -3,8 +3,9 @@
 ``polyrl train`` (``executor=local``: every role in this process, so four algorithms and their controls fit
 in about two minutes; the Ray path of the same trainer is covered by test_flow_grpo_e2e.py) trains the tiny
 SD3-family pipeline (random init, built in code) on the offline ``brightness`` reward. For each algorithm
-the mean reward of the last steps must clearly exceed the first steps', while the same run with the
+the mean reward of the last four steps must clearly exceed the first steps', while the same run with the
 rewards shuffled among the images of each batch (no signal, same noise) must not move as much.
+Measured here 2026-11-23 over seeds 1-4: gain 0.16-0.37, control drift -0.11 to +0.04 (16 steps, 4-step means).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 
 from polyrl.trainer.commands import train
 
-STEPS = 8
+STEPS = 16  # with 8 steps a shuffled control's random walk once matched the real gain (CI, dance_grpo)
 ALGORITHMS = {
     "flow_grpo": ["trainer.flow_grpo.sde_window_size=0"],
     "mix_grpo": ["trainer.flow_grpo.mix_grpo.enable=true", "trainer.flow_grpo.mix_grpo.window_size=2",
@@ -73,7 +74,7 @@ def _run(setup: dict, name: str, reward: str, extra: list[str]) -> list[dict]:
 
 def _gain(rows: list[dict]) -> float:
     scores = [r["critic/score/mean"] for r in rows]
-    return sum(scores[-2:]) / 2 - sum(scores[:2]) / 2
+    return sum(scores[-4:]) / 4 - sum(scores[:4]) / 4
 
 
 @pytest.mark.parametrize("algo", list(ALGORITHMS))
@@ -82,7 +83,7 @@ def test_algorithm_raises_brightness_and_a_shuffled_control_does_not(setup, algo
     control = _run(setup, f"{algo}-control", f"{setup['root'] / 'shuffled.py'}:shuffled_brightness",
                    ALGORITHMS[algo])
     gain, drift = _gain(real), _gain(control)
-    assert gain > 0.04, (algo, [r["critic/score/mean"] for r in real])
+    assert gain > 0.1, (algo, [r["critic/score/mean"] for r in real])
     assert drift < gain / 2, (algo, gain, [r["critic/score/mean"] for r in control])
     for r in real:
         assert r["actor/grad_norm"] > 0
