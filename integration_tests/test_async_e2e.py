@@ -3,6 +3,9 @@ built-in hf rollout on its own worker (split placement: one rollout worker, one 
 
 - one-step off-policy and fully async runs learn a small task as well as the synchronous run (within a
   stated margin), with the staleness of every trained sample within its bound;
+- fully async with each ``trainer.weight_transfer`` (collective from a background thread, object store)
+  generates every sample on the weights its version tag names (a staleness bound of 0: no log-prob gap);
+- dynamic sampling (``algorithm.filter_groups``) in fully async fills whole batches, no prompt twice;
 - a fully async run SIGKILLed mid-step and resumed trains every prompt exactly once (checked by sample
   ids), and the groups that were waiting in the queue at the checkpoint are trained from the checkpoint.
 
@@ -100,7 +103,11 @@ def test_async_modes_learn_like_sync(base_overrides, manifest_file, digits_rewar
             assert max(stale) <= 1 and min(stale) >= 0, (mode, step, stale)
         assert all(r["async/staleness_max"] <= 1 for r in train_rows)
         assert max(r["async/staleness_max"] for r in train_rows) == 1  # generation really ran ahead
-        assert all(r["rollout/logprob_diff_mean"] >= 0 for r in train_rows)  # the policy gap was measured
+        # the version tags match the weights that generated: a step whose samples all came from the policy it
+        # trains sees no gap between the rollout's log-probs and the actor's; a step with stale samples does
+        for r in train_rows:
+            fresh = r["async/staleness_max"] == 0
+            assert (r["rollout/logprob_diff_mean"] < 1e-3) == fresh, (mode, r["step"], r["rollout/logprob_diff_mean"])
         assert any("rollout_corr/" in k or "rollout_is" in k for k in train_rows[-1]), sorted(train_rows[-1])
         ids = [i for line in samples.values() for i in line["sample_ids"]]
         assert len(ids) == len(set(ids)) == STEPS * 4 * 4  # no sample trained twice
@@ -109,6 +116,44 @@ def test_async_modes_learn_like_sync(base_overrides, manifest_file, digits_rewar
     for mode in ("one_step_off_policy", "fully_async"):
         # ... and the async ones as well as the synchronous run, within the margin
         assert accuracy[mode] >= accuracy["sync"] - MARGIN, accuracy
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transfer", ["collective", "object_store"])
+def test_fully_async_weights_reach_the_rollout(transfer, base_overrides, manifest_file, digits_reward, tmp_path,
+                                               shared_ray):
+    """``fully_async`` with each ``trainer.weight_transfer``: with a staleness bound of 0 every trained group must
+    come from the policy being trained, so each step's samples carry that version's tag and the rollout's
+    log-probs equal the actor's. Weights that did not arrive, arrived late or under the wrong tag would leave
+    a gap of about 0.1-0.3 nats per token (one update at this lr)."""
+    run = tmp_path / transfer
+    train(manifest_file, [], _overrides(base_overrides, digits_reward, run, 3, "fully_async") + [
+        f"trainer.weight_transfer={transfer}", "trainer.async_max_staleness=0", "trainer.test_freq=0"])
+    rows = [r for r in _rows(run) if "critic/score/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for step, line in _samples(run).items():
+        assert set(line["gen_version"]) == {step - 1}, (step, line["gen_version"])
+    for r in rows:
+        assert r["rollout/logprob_diff_mean"] < 1e-3, (r["step"], r["rollout/logprob_diff_mean"])
+    # generation ran ahead of the trainer (groups of the previous version were dropped), so the check bites
+    assert rows[-1]["async/dropped_stale_groups"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_fully_async_dynamic_sampling(base_overrides, manifest_file, digits_reward, tmp_path, shared_ray):
+    """``algorithm.filter_groups`` in ``fully_async`` (refused before): groups whose samples all scored alike are
+    dropped and the step takes the missing groups from the queue until its batch is full, training no prompt
+    twice."""
+    run = tmp_path / "filtered"
+    train(manifest_file, [], _overrides(base_overrides, digits_reward, run, 2, "fully_async") + [
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score",
+        "algorithm.filter_groups.max_num_gen_batches=0", "trainer.test_freq=0"])
+    rows = [r for r in _rows(run) if "critic/score/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert max(r["train/gen_rounds"] for r in rows) > 1  # groups were filtered out and replaced
+    samples = _samples(run)
+    ids = [i for line in samples.values() for i in line["sample_ids"]]
+    assert len(ids) == len(set(ids)) == 2 * 4 * 4  # full batches, nothing trained twice
 
 
 def _start(manifest: Path, overrides: list[str], fault: str | None = None) -> subprocess.CompletedProcess:

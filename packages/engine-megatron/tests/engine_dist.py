@@ -106,8 +106,39 @@ def train_step(model_dir: str, layout: str, **kw) -> dict:
     before = engine.infer_batch(shard, compute_entropy=True, temperature=0.9)
     metrics = engine.train_batch(shard, loss_fn, temperature=0.9)
     after = engine.infer_batch(shard)
+    from polyrl_engine_megatron.model import SequenceParallelRMSNorm
+
+    sp_norms = sum(isinstance(m, SequenceParallelRMSNorm) for m in engine.inner.modules())
     return {"metrics": metrics, "before": before.to_dict(), "after": after.to_dict(), "dp_rank": engine.dp_rank,
-            "dp_size": engine.dp_size, "collects": engine.collects_output, "weights": _full_weights(engine)}
+            "dp_size": engine.dp_size, "collects": engine.collects_output, "weights": _full_weights(engine),
+            "sequence_parallel": bool(engine.tcfg.sequence_parallel), "sp_norms": sp_norms}
+
+
+def qwen3_model(out: Path) -> str:
+    """A tiny Qwen3 (query/key norms, head_dim 24 != hidden / heads) written by rank 0 into ``out/qwen3``."""
+    folder = out / "qwen3"
+    if torch.distributed.get_rank() == 0 and not (folder / "config.json").exists():
+        from transformers import AutoModelForCausalLM, Qwen3Config
+
+        config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, head_dim=24, max_position_embeddings=256,
+                             tie_word_embeddings=False)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    torch.distributed.barrier()
+    return str(folder)
+
+
+def critic_step(model_dir: str, layout: str) -> dict:
+    """The value model: values, one step of the value loss, values again, in ``layout`` (``tp1``, ``tp2sp``)."""
+    extra = {"sequence_parallel": True} if layout.endswith("sp") else {}
+    engine = make_engine(model_dir, role="critic", model_type="value", tp=2 if layout.startswith("tp2") else 1,
+                         lr=1e-2, **extra)
+    b = batch()
+    before = engine.infer_batch(b)
+    metrics = engine.train_batch(b, value_loss_fn)
+    after = engine.infer_batch(b)
+    return {"metrics": metrics, "before": before.to_dict(), "after": after.to_dict(), "weights": _full_weights(engine)}
 
 
 def checkpoint_save(model_dir: str, layout: str, out: Path) -> dict:
@@ -160,6 +191,10 @@ def main() -> None:
         name, _, arg = scenario.partition(":")
         if name == "train":
             result = train_step(model_dir, arg)
+        elif name == "qwen3":
+            result = train_step(qwen3_model(out), arg)
+        elif name == "critic":
+            result = critic_step(model_dir, arg)
         elif name == "save":
             result = checkpoint_save(model_dir, arg, out)
         elif name == "load":

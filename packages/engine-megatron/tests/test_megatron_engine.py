@@ -66,7 +66,7 @@ def _run_group(world: int, model_dir: Path, out: Path, scenarios: list[str]) -> 
                                    for r, (p, e) in enumerate(zip(procs, errs)) if p.returncode))
 
 
-LAYOUTS = ["train:tp2", "train:pp2", "train:dp2", "train:dp2dist"]
+LAYOUTS = ["train:tp2", "train:tp2sp", "train:pp2", "train:dp2", "train:dp2dist"]
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +77,13 @@ def runs_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_ranks(model_dir, runs_dir):
     """Every 2-process scenario, in one group start (``save:tp2`` writes the checkpoint the loads read)."""
-    return _run_group(2, model_dir, runs_dir, ["vocab", *LAYOUTS, "save:tp2", "load:pp2"])
+    return _run_group(2, model_dir, runs_dir, ["vocab", *LAYOUTS, "critic:tp2sp", "qwen3:tp2sp", "qwen3:dp2",
+                                                  "save:tp2", "load:pp2"])
 
 
 @pytest.fixture(scope="module")
 def one_rank(model_dir, runs_dir, two_ranks):
-    return _run_group(1, model_dir, runs_dir, ["train:tp1", "load:tp1"])
+    return _run_group(1, model_dir, runs_dir, ["train:tp1", "critic:tp1", "load:tp1"])
 
 
 # ---------------------------------------------------------------------------- vocabulary-parallel log-softmax
@@ -106,9 +107,14 @@ def test_vocab_parallel_log_probs_match_the_full_softmax(two_ranks):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layouts_give_the_same_step(two_ranks, one_rank, layout):
-    """TP=2, PP=2, DP=2 (also with the distributed optimizer) = TP=1 on the same batch."""
+    """TP=2 (also with sequence parallelism), PP=2, DP=2 (also with the distributed optimizer) = TP=1 on the same
+    batch. Sequence parallelism: the norms' gradients are partial sums over the tensor-parallel ranks (without
+    megatron's all-reduce of them the gradient norm differs by 4e-5 relative and the weights by 2e-3)."""
     ref = one_rank["train:tp1"][0]
     results = two_ranks[layout]
+    sp = layout.endswith("sp")
+    # 2 norms per layer and the final one, ours only under sequence parallelism
+    assert all(r["sequence_parallel"] == sp and r["sp_norms"] == (5 if sp else 0) for r in results)
     if layout.startswith("train:dp2"):
         assert [r["dp_rank"] for r in results] == [0, 1] and all(r["collects"] for r in results)
         # each DP rank computed its own half of the rows
@@ -138,6 +144,44 @@ def test_layouts_give_the_same_step(two_ranks, one_rank, layout):
     assert not torch.allclose(ref["after"]["log_probs"], ref["before"]["log_probs"]), "the step changed nothing"
 
 
+def test_value_model_with_sequence_parallelism_gives_the_same_step(two_ranks, one_rank):
+    """The critic's value head gathers the sequence-parallel hidden states: TP=2 with SP = TP=1."""
+    ref = one_rank["critic:tp1"][0]
+    for r in two_ranks["critic:tp2sp"]:
+        assert torch.allclose(r["before"]["values"], ref["before"]["values"], atol=1e-5)
+        assert r["metrics"]["vf_loss"] == pytest.approx(ref["metrics"]["vf_loss"], rel=LOSS_RTOL)
+        assert r["metrics"]["critic/grad_norm"] == pytest.approx(ref["metrics"]["critic/grad_norm"], rel=LOSS_RTOL)
+        for name, w in ref["weights"].items():
+            assert torch.allclose(r["weights"][name], w, atol=WEIGHT_ATOL), name
+        assert torch.allclose(r["after"]["values"], ref["after"]["values"], atol=1e-5)
+    assert not torch.allclose(ref["after"]["values"], ref["before"]["values"]), "the step changed nothing"
+
+
+def test_qwen3_query_key_norms_with_sequence_parallelism(two_ranks):
+    """Qwen3's q/k norms (plain RMSNorm, gradients summed over TP by megatron) under TP=2 with sequence
+    parallelism = DP=2 (the layout test shows DP=2 = TP=1)."""
+    sp, dp = two_ranks["qwen3:tp2sp"], two_ranks["qwen3:dp2"]
+    before = {k: torch.cat([r["before"][k] for r in dp]) for k in ("log_probs", "entropy")}
+    for key in before:
+        assert torch.allclose(sp[0]["before"][key], before[key], atol=1e-5), key
+    assert sp[0]["metrics"]["actor/grad_norm"] == pytest.approx(dp[0]["metrics"]["actor/grad_norm"], rel=LOSS_RTOL)
+    assert any("q_norm" in n for n in dp[0]["weights"])
+    for name, w in dp[0]["weights"].items():
+        assert torch.allclose(sp[0]["weights"][name], w, atol=WEIGHT_ATOL), name
+    assert torch.allclose(sp[0]["after"]["log_probs"], torch.cat([r["after"]["log_probs"] for r in dp]), atol=1e-5)
+
+
+def test_the_batch_has_micro_batches_sequence_parallelism_must_pad():
+    """train:tp2sp covers lengths that TP=2 does not divide (the engine pads them to a multiple of TP)."""
+    from polyrl_engine_megatron.engine import _pack, _split
+
+    b = batch()
+    cfg = role_config("unused")
+    packed = [_pack(b[rows], 1).input_ids.shape[1] for rows in _split(b, cfg)]
+    assert any(n % 2 for n in packed), packed
+    assert all(_pack(b[rows], 2).input_ids.shape[1] % 2 == 0 for rows in _split(b, cfg))
+
+
 def test_same_step_as_the_fsdp_engine(one_rank, model_dir):
     """Same weights, batch and optimizer settings: the megatron step = the fsdp engine's step."""
     from polyrl.config.roles import EngineRoleConfig, ModelConfig
@@ -156,8 +200,20 @@ def test_same_step_as_the_fsdp_engine(one_rank, model_dir):
     assert metrics["loss"] == pytest.approx(mega["metrics"]["loss"], rel=FSDP_LOSS_RTOL)
     assert metrics["actor/grad_norm"] == pytest.approx(mega["metrics"]["actor/grad_norm"], rel=FSDP_LOSS_RTOL)
     weights = {n: t for bucket in fsdp.weights_for_rollout() for n, t in bucket}
+    # megatron exempts biases and norm weights (the 1-D parameters) from weight decay, the fsdp engine's AdamW
+    # decays every parameter: there AdamW's decoupled decay took lr * weight_decay * (initial weight) more
+    initial = _initial_weights(model_dir)
+    lr, wd = cfg.optim.lr, cfg.optim.weight_decay
+    assert wd > 0 and any(w.dim() == 1 for w in initial.values())
     for name, w in mega["weights"].items():
-        assert torch.allclose(weights[name], w, atol=FSDP_WEIGHT_ATOL), name
+        expected = w - lr * wd * initial[name] if w.dim() == 1 else w
+        assert torch.allclose(weights[name], expected, atol=FSDP_WEIGHT_ATOL), name
+
+
+def _initial_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {n: t for f in sorted(Path(model_dir).glob("*.safetensors")) for n, t in load_file(str(f)).items()}
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -204,6 +260,15 @@ def test_bad_layouts_are_config_errors_naming_the_key(model_dir):
     with pytest.raises(ConfigError, match="sequence_parallel"):
         MegatronEngine.data_parallel_size(role_config(str(model_dir), sequence_parallel=True), 2)
     assert MegatronEngine.data_parallel_size(role_config(str(model_dir), tp=2), 4) == 2
+
+
+def test_layout_errors_name_the_role_the_trainer_asks_for(model_dir):
+    from polyrl_engine_megatron.engine import MegatronEngine
+
+    with pytest.raises(ConfigError, match=r"^critic\.megatron\.tensor_model_parallel_size \(4\)"):
+        MegatronEngine.data_parallel_size(role_config(str(model_dir), tp=4), 4, role="critic")
+    with pytest.raises(ConfigError, match=r"^ref\.megatron\.pipeline_model_parallel_size \(4\)"):
+        MegatronEngine.data_parallel_size(role_config(str(model_dir), pp=4), 4, role="ref")
 
 
 def test_lora_is_a_config_error(model_dir):

@@ -276,7 +276,8 @@ class Engine(Protocol):
     #
     # Optional on the engine's factory (a static or class method): ``data_parallel_size(role_config,
     # world_size) -> int``, the data-parallel size a group of ``world_size`` ranks will have. The trainer checks
-    # batch sizes against it before any worker starts; a factory without it is pure data-parallel.
+    # batch sizes against it before any worker starts; a factory without it is pure data-parallel. A factory
+    # whose method also takes ``role=`` gets the role's section name (``actor``, ``critic``, ``ref``) for its errors.
 
     def train_batch(self, batch: TensorDict, loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step on this rank's shard of a mini-batch.

@@ -10,7 +10,13 @@ import torch
 
 from polyrl.errors import ConfigError
 from polyrl.platforms.base import CPUPlatform
-from polyrl.trainer.weight_transfer import join_weight_group, receive_weights, resolve_weight_transfer, send_weights
+from polyrl.trainer.weight_transfer import (
+    BackgroundSender,
+    join_weight_group,
+    receive_weights,
+    resolve_weight_transfer,
+    send_weights,
+)
 
 
 class _Engine:
@@ -86,6 +92,39 @@ def test_broadcast_delivers_every_bucket_bit_for_bit_twice():
             assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
     assert results["send"]["weight_sync/tensors"] == len(sent) and results["recv1"]["weight_sync/tensors"] == len(sent)
     assert engine.sizes == [1 << 20, 1 << 20]
+    for group in groups.values():
+        group.close()
+
+
+@pytest.mark.timeout(120)  # a submit that blocked on its receiver would hang here (one thread)
+def test_background_send_returns_at_once_and_delivers_the_snapshot_to_a_late_receiver():
+    """fully_async: the actor snapshots and goes on (its weights change), the rollout joins the broadcast
+    later (after its generation in flight) and gets the snapshot, sync after sync, in order."""
+    from polyrl.distributed import free_port
+
+    port, size = free_port(), 2
+    platform = CPUPlatform()
+    groups: dict[int, object] = {}
+    _run([lambda r=r: groups.__setitem__(r, join_weight_group(platform, "127.0.0.1", port, r, size, timeout_s=60))
+          for r in range(size)])
+    buckets = _buckets()
+    engine, rollout, sender = _Engine(buckets), _Rollout(), BackgroundSender()
+    snapshots = []
+    for _ in range(2):
+        snapshots.append([(n, t.clone()) for b in buckets for n, t in b])
+        metrics = sender.submit(engine, groups[0], 1 << 20)  # no receiver in the broadcast yet: returns anyway
+        assert metrics["weight_sync/tensors"] == len(snapshots[-1])
+        with torch.no_grad():  # the actor trains on: its live tensors change after the snapshot
+            for bucket in buckets:
+                for _, tensor in bucket:
+                    tensor.add_(1)
+        receive_weights(groups[1], rollout)  # the rollout arrives late, in this thread
+        assert sender.wait(timeout=60)
+    sent = [entry for snapshot in snapshots for entry in snapshot]
+    assert [n for n, _ in rollout.loaded] == [n for n, _ in sent]
+    for (name, got), (_, want) in zip(rollout.loaded, sent, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    assert sender.wait(timeout=0)  # nothing left in flight
     for group in groups.values():
         group.close()
 

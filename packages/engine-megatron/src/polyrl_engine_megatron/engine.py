@@ -88,11 +88,6 @@ def _check_role_config(config: Any, role: str, world_size: int) -> tuple[Any, Me
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         if getattr(block, key) < 1:
             raise ConfigError(f"{role}.megatron.{key}={getattr(block, key)} must be at least 1")
-    if block.sequence_parallel:
-        # megatron-core's local (non-Transformer-Engine) layer spec, which this engine builds, has torch norms
-        # that refuse sequence parallelism
-        raise ConfigError(f"{role}.megatron.sequence_parallel=true is not supported yet: the engine builds megatron's "
-                          "local layer spec, whose norms do not support sequence parallelism. Set it to false")
     _dtype(config.model.dtype, f"{role}.model.dtype")
     if block.param_dtype is not None:
         _dtype(block.param_dtype, f"{role}.megatron.param_dtype")
@@ -185,13 +180,13 @@ class MegatronEngine:
     """
 
     @staticmethod
-    def data_parallel_size(role_config: Any, world_size: int) -> int:
+    def data_parallel_size(role_config: Any, world_size: int, *, role: str = "actor") -> int:
         """The data-parallel size of a role on ``world_size`` ranks, or a :class:`ConfigError` naming the key.
 
         Called by the trainer before any worker starts: checks megatron-core, LoRA, and that TP x PP divides
-        the world size, the attention heads, the vocabulary and the layers.
+        the world size, the attention heads, the vocabulary and the layers. ``role`` (``actor``, ``critic``,
+        ``ref``) is the config section the errors name (``critic.megatron.tensor_model_parallel_size``).
         """
-        role = getattr(role_config, "role", None) or "actor"
         return _check_role_config(role_config, role, world_size)[2]
 
     def __init__(self, config: Any, *, role: str, model_type: str = "causal_lm", platform: Any = None) -> None:
@@ -312,13 +307,15 @@ class MegatronEngine:
             bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16, params_dtype=self.dtype,
             use_distributed_optimizer=self.megatron.use_distributed_optimizer,
         )
-        # config_overrides={}: weight decay on every parameter, as the fsdp engine's AdamW does (megatron's
-        # default would exempt biases and norms)
-        self.optimizer = get_megatron_optimizer(ocfg, [self.model], config_overrides={})
+        # megatron's default parameter groups: biases and 1-D parameters (norm weights) get ``wd_mult=0``, as in
+        # megatron-lm and verl's megatron workers. megatron's own scheduler turns wd_mult into each group's
+        # weight decay; polyrl's LR schedule does not, so _set_weight_decay does (again after a resume).
+        self.optimizer = get_megatron_optimizer(ocfg, [self.model])
         self.tcfg.no_sync_func = self.model.no_sync
         self.tcfg.finalize_model_grads_func = finalize_model_grads
         self.schedulers = [build_lr_scheduler(opt.optimizer, o, f"{self.role}.optim")
                            for opt in self._chained() if opt.optimizer is not None]
+        self._set_weight_decay()
 
     def _chained(self) -> list[Any]:
         return list(getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer])
@@ -643,9 +640,16 @@ class MegatronEngine:
                 if old_base:
                     group["lr"] = group["lr"] * o.lr / old_base
                 group["initial_lr"] = o.lr
-                group["weight_decay"] = o.weight_decay
             scheduler.base_lrs = [o.lr for _ in scheduler.base_lrs]
             scheduler._last_lr = [g["lr"] for g in opt.param_groups]
+        self._set_weight_decay()
+
+    def _set_weight_decay(self) -> None:
+        """``optim.weight_decay`` times each parameter group's ``wd_mult`` (0 for biases and norm weights)."""
+        wd = float(self.config.optim.weight_decay)
+        for chained in self._chained():
+            for group in (chained.optimizer.param_groups if chained.optimizer is not None else []):
+                group["weight_decay"] = wd * float(group.get("wd_mult", 1.0))
 
     # ------------------------------------------------------------------ memory
     def offload(self) -> None:

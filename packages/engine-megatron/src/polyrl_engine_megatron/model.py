@@ -212,6 +212,53 @@ class ValueHead(nn.Module):
         return self.score(hidden_states), None
 
 
+class RMSNorm(nn.RMSNorm):
+    """``torch.nn.RMSNorm`` built the way megatron builds its norms (``Norm(config, hidden_size, eps)``).
+
+    megatron-core's local layer spec uses ``WrappedTorchNorm``, which refuses ``config.sequence_parallel``. With
+    sequence parallelism each tensor-parallel rank normalises its own slice of the sequence, so the weight's
+    gradient is a partial sum: :class:`SequenceParallelRMSNorm` marks its weight ``sequence_parallel`` and
+    megatron's ``finalize_model_grads`` sums those gradients over the tensor-parallel group. This class (the
+    query/key norms, which run on the whole sequence of this rank's heads) marks nothing: megatron sums the
+    q/k-norm gradients over the tensor-parallel group by name.
+    """
+
+    marks_sequence_parallel = False
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                 zero_centered_gamma: bool = False, normalization: str = "RMSNorm") -> None:
+        if config.normalization != "RMSNorm" or zero_centered_gamma or config.layernorm_zero_centered_gamma:
+            raise ValueError("polyrl_engine_megatron.model.RMSNorm: plain RMSNorm only (Llama/Qwen/Mistral)")
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel and self.marks_sequence_parallel)
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """The layer and final norms under sequence parallelism: the weight's gradient is summed over TP."""
+
+    marks_sequence_parallel = True
+
+
+def _layer_spec(config: Any, qk_norm: bool, pp_rank: int | None) -> Any:
+    """megatron's local GPT layer spec; with ``config.sequence_parallel`` the same block with our norms."""
+    from dataclasses import replace
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    if not config.sequence_parallel:
+        return layer
+    attention = layer.submodules.self_attention
+    if qk_norm:
+        attention = replace(attention, submodules=replace(attention.submodules, q_layernorm=RMSNorm,
+                                                          k_layernorm=RMSNorm))
+    layer = replace(layer, submodules=replace(layer.submodules, input_layernorm=SequenceParallelRMSNorm,
+                                              self_attention=attention, pre_mlp_layernorm=SequenceParallelRMSNorm))
+    count = get_num_layers_to_build(config, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=SequenceParallelRMSNorm)
+
+
 def build_gpt_model(hf_config: Any, *, value_head: bool = False, tp: int | None = None, pp: int | None = None,
                     sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
                     pre_process: bool | None = None, post_process: bool | None = None,
@@ -229,7 +276,6 @@ def build_gpt_model(hf_config: Any, *, value_head: bool = False, tp: int | None 
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = model_spec(hf_config)
     tp = ps.get_tensor_model_parallel_world_size() if tp is None else tp
@@ -239,7 +285,7 @@ def build_gpt_model(hf_config: Any, *, value_head: bool = False, tp: int | None 
                                             dtype=dtype, **overrides)
     pre = ps.is_pipeline_first_stage() if pre_process is None else pre_process
     post = ps.is_pipeline_last_stage() if post_process is None else post_process
-    layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    layer_spec = _layer_spec(config, spec.qk_norm, ps.get_pipeline_model_parallel_rank())
     model = GPTModel(
         config, layer_spec, vocab_size=spec.vocab_size, max_sequence_length=spec.max_position_embeddings,
         pre_process=pre, post_process=post, parallel_output=True,

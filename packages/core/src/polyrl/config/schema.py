@@ -275,7 +275,7 @@ class TrainerSection:
     #: ``fully_async``: most prompt groups finished or in flight ahead of the trainer (0: ``data.train_batch_size``
     #: times ``max(1, async_max_staleness)``).
     async_queue_groups: int = 0
-    #: ``fully_async``: prompt groups per generation call of a rollout worker (0: half a batch over the workers).
+    #: ``fully_async``: prompt groups per generation call of a rollout worker (0: a batch spread over the workers).
     async_chunk_groups: int = 0
     #: Async modes: truncated importance-sampling cap on the policy gap (``pi_train / pi_rollout``), applied
     #: per token when ``algorithm.rollout_correction.rollout_is`` is unset (0: no correction).

@@ -78,9 +78,6 @@ def configure_async_mode(trainer: Any) -> str:
         raise ConfigError(f"trainer.async_mode={mode} drives each rollout worker on its own; "
                           f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} is not supported there "
                           "yet: set it to 1 or use trainer.async_mode=sync")
-    if cfg.algorithm.filter_groups.enable and mode == "fully_async":
-        raise ConfigError("algorithm.filter_groups (dynamic sampling) with trainer.async_mode=fully_async is not "
-                          "supported: use one_step_off_policy or sync")
     rc = cfg.algorithm.rollout_correction
     if rc.rollout_is is None and not rc.bypass_mode and t.async_tis_cap > 0:
         rc.rollout_is = "token"
@@ -181,8 +178,10 @@ class RolloutSource:
         """Called once the workers run and hold the starting (or resumed) weights."""
         self._truncate_samples_log()
 
-    def next_batch(self) -> TensorDict:
-        """The next prompt groups with their samples (rows ``n`` per prompt)."""
+    def next_batch(self, groups: int | None = None) -> TensorDict:
+        """The next prompt groups with their samples (rows ``n`` per prompt). ``groups``: how many the step
+        still needs (fewer in dynamic sampling's later rounds); a source that generates whole batches
+        (``sync``, ``one_step_off_policy``) returns a batch's worth anyway."""
         t = self.trainer
         return t._generate(t._next_rows(), self.n, validate=False)
 
@@ -251,7 +250,7 @@ class OneStepOffPolicySource(RolloutSource):
         self._pending = _submit_generate(_rollout_workers(t), rows, self.n, sampling)
         self._pending_rows, self._pending_version = rows, self.version
 
-    def next_batch(self) -> TensorDict:
+    def next_batch(self, groups: int | None = None) -> TensorDict:
         import ray
 
         t = self.trainer
@@ -323,7 +322,9 @@ class StreamingSource(RolloutSource):
         self.abort = t.async_inflight == "abort"
         self.capacity = t.async_queue_groups or self.batch_groups * max(1, self.max_staleness)
         workers = max(1, t.rollout_workers)
-        self.chunk_groups = t.async_chunk_groups or max(1, self.batch_groups // (2 * workers))
+        # a batch spread over the workers: a generation call costs about the same for fewer samples on a rollout
+        # whose time goes into per-token steps (hf on CPU: half-batch chunks took twice as long per batch)
+        self.chunk_groups = t.async_chunk_groups or max(1, self.batch_groups // workers)
         self.capacity = max(self.capacity, self.chunk_groups)
         self.cond = threading.Condition()
         self.ready: deque[_Group] = deque()
@@ -350,12 +351,17 @@ class StreamingSource(RolloutSource):
         self._thread.start()
 
     def stop(self) -> None:
+        import ray
+
         self._stop.set()
         with self.cond:
             self.cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=60)
             self._thread = None
+        if self._weight_refs:  # the last weights reach the rollout before the workers stop (bounded wait)
+            ray.wait(self._weight_refs, num_returns=len(self._weight_refs), timeout=30)
+            self._weight_refs = []
 
     # -- the producer thread
     def _take_rows(self, count: int) -> list[dict]:
@@ -412,42 +418,53 @@ class StreamingSource(RolloutSource):
         return (base + zlib.crc32(sample_base(rows[0]).encode())) % (2**31)
 
     # -- the trainer side
-    def next_batch(self) -> TensorDict:
+    def next_batch(self, groups: int | None = None) -> TensorDict:
         policy = self.trainer.global_step  # the version this step trains
+        want = max(1, min(groups or self.batch_groups, self.batch_groups))
         taken: list[_Group] = []
         deadline = time.monotonic() + 3600
         with self.cond:
-            while len(taken) < self.batch_groups:
+            while len(taken) < want:
                 if self.error is not None:
                     raise RuntimeError(f"trainer.async_mode=fully_async: the rollout stream failed: {self.error!r}") \
                         from self.error
-                while self.ready and len(taken) < self.batch_groups:
+                while self.ready and len(taken) < want:
                     group = self.ready.popleft()
                     if policy - group.version > self.max_staleness:  # too old: its prompt is generated again
                         self.dropped += 1
                         self.todo.appendleft(group.row)
                         continue
                     taken.append(group)
-                if len(taken) < self.batch_groups:
+                if len(taken) < want:
                     if time.monotonic() > deadline or (self._thread is not None and not self._thread.is_alive()
                                                        and self.error is None):
                         raise RuntimeError("trainer.async_mode=fully_async: no samples arrive from the rollout workers")
                     self.cond.notify_all()
                     self.cond.wait(timeout=0.5)
+            self.cond.notify_all()  # room in the queue: the producer submits now, not at its next poll
         return batch_ops.concat([g.batch for g in taken])
 
     def push_weights(self) -> None:
-        """Gather the actor's weights and queue them on every rollout worker behind what it generates now;
-        the trainer does not wait for the load."""
+        """Queue the actor's new weights on every rollout worker behind what it generates now; the trainer
+        does not wait for the load. ``trainer.weight_transfer=collective``: the actor gathers a packed copy
+        and broadcasts it from a background thread, which the rollout leaders join once their generation in
+        flight is done; ``object_store``: one gather, one ``ray.put``, one load per worker."""
         import ray
 
         t = self.trainer
-        buckets = next(b for b in t.groups.actor.call_all("gather_weights") if b is not None)
-        ref = ray.put(buckets)
-        if self._weight_refs:  # the previous load must be through before its buckets are dropped
-            ray.get(self._weight_refs)
-        with self.cond:
-            self._weight_refs = [w.load_rollout_weights.remote(ref) for w in self.workers]
+        transfer = t.groups.weight_transfer
+        if transfer is not None:
+            ray.get(self._weight_refs)  # one snapshot at a time: the previous broadcast must be through
+            transfer.join()
+            ray.get([w.start_weight_send.remote() for w in t.groups.actor.workers])
+            targets = [(t.groups.rollout.workers[r], "receive_weights", ()) for r in transfer.leaders]
+        else:
+            buckets = next(b for b in t.groups.actor.call_all("gather_weights") if b is not None)
+            ref = ray.put(buckets)
+            ray.get(self._weight_refs)  # the previous load must be through before its buckets are dropped
+            targets = [(w, "load_rollout_weights", (ref,)) for w in self.workers]
+        with self.cond:  # the producer tags what it submits from now on with the new version
+            self._weight_refs = [getattr(w, method).remote(*args) for w, method, args in targets]
             self.version = t.global_step + 1
             if self.abort:
                 for chunk in self.inflight.values():

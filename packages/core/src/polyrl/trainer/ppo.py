@@ -101,6 +101,8 @@ class PPOTrainer:
         self.use_critic = bool(entry.metadata.get("needs_values")) or cfg.algorithm.adv_estimator in _NEEDS_CRITIC
         if self.use_critic and cfg.critic.model.path != cfg.actor.model.path:
             check_model_paths(cfg.critic.model, "critic.model")
+        if self.use_critic:  # the critic engine's layout errors (critic.megatron...) before any worker starts
+            self.data_parallel_size("critic")
         kl_used = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         enable = str(cfg.ref.enable).lower()
         self.use_ref = enable == "true" or (enable == "auto" and kl_used)
@@ -216,7 +218,13 @@ class PPOTrainer:
         except LookupError:  # reported with the key by the command's name check
             return world
         size_of = getattr(factory, "data_parallel_size", None)
-        return int(size_of(role, world)) if size_of is not None else world
+        if size_of is None:
+            return world
+        try:  # a factory taking ``role=`` names the role's own keys (critic.megatron...) in its errors
+            named = "role" in inspect.signature(size_of).parameters
+        except (TypeError, ValueError):
+            named = False
+        return int(size_of(role, world, role=section) if named else size_of(role, world))
 
     # ------------------------------------------------------------------ set-up
     def _check_config(self) -> None:
@@ -392,7 +400,8 @@ class PPOTrainer:
         while True:
             gen_rounds += 1
             with _timer(timing, "gen"):  # async modes: the wait for samples generated meanwhile
-                batch = self.rollout_source.next_batch()  # sync: self._generate(self._next_rows(), n, ...)
+                # sync: self._generate(self._next_rows(), n, ...); fully_async takes only the groups still missing
+                batch = self.rollout_source.next_batch(cfg.data.train_batch_size - kept_groups)
             with _timer(timing, "reward"):
                 out = self.reward_fn(batch)
             batch["token_level_scores"] = out.token_level_scores.float()

@@ -278,7 +278,21 @@ class Worker:
         """Collective transfer, actor side: every rank gathers, rank 0 broadcasts the buckets."""
         from polyrl.trainer.weight_transfer import send_weights
 
+        sender = getattr(self, "_weight_sender", None)
+        if sender is not None:  # a background send on the same group must be through first
+            sender.wait()
         return send_weights(self.actor, getattr(self, "weight_group", None), self.config.trainer.weight_bucket_mb << 20)
+
+    def start_weight_send(self) -> dict[str, float]:
+        """Collective transfer that does not hold the actor up (``fully_async``): every rank gathers, rank 0
+        keeps a packed copy and broadcasts it from a thread of its own
+        (:class:`~polyrl.trainer.weight_transfer.BackgroundSender`); waits first for its previous send."""
+        from polyrl.trainer.weight_transfer import BackgroundSender
+
+        sender = getattr(self, "_weight_sender", None)
+        if sender is None:
+            sender = self._weight_sender = BackgroundSender()
+        return sender.submit(self.actor, getattr(self, "weight_group", None), self.config.trainer.weight_bucket_mb << 20)
 
     def receive_weights(self) -> dict[str, float]:
         """Collective transfer, rollout side (a replica's leader): load the buckets as they arrive."""
@@ -382,6 +396,12 @@ class Worker:
                 shutdown()
             except Exception:  # teardown goes on: the process group must still be left
                 logger.exception("rank %d: rollout shutdown failed", self.rank)
+        sender = getattr(self, "_weight_sender", None)
+        if sender is not None:  # a send still waiting for its receivers: give it a moment, then leave anyway
+            try:
+                sender.wait(timeout=30)
+            except RuntimeError:
+                logger.warning("rank %d: the last background weight send failed", self.rank, exc_info=True)
         weight_group, self.weight_group = getattr(self, "weight_group", None), None
         if weight_group is not None:
             weight_group.close()

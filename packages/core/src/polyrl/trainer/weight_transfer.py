@@ -13,12 +13,17 @@ Two paths, chosen by ``trainer.weight_transfer``:
 ``auto`` picks ``collective``: it measured 3-4x faster than the object store even on CPU (gloo over
 loopback; docs/placement.md), and on accelerators the bytes stay in device memory. Every actor rank takes part in the gather (``Engine.weights_for_rollout`` is
 collective within the actor group); only rank 0 sends.
+
+``trainer.async_mode=fully_async`` must not hold the actor up while a rollout leader finishes the generation
+it runs: :class:`BackgroundSender` keeps a packed copy on actor rank 0 and broadcasts it from a thread, and
+each leader's receive is queued behind its generation in flight (docs/async.md).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,6 +113,25 @@ def join_weight_group(platform: Any, address: str, port: int, rank: int, size: i
     return WeightGroup(group, store, rank, size, platform.current_device())
 
 
+def _pack(bucket: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A bucket as ``(layout bytes, packed buffer, tensor count)`` on ``device``; the buffer is a copy."""
+    buffer, entries = pack_bucket([(n, t.detach().to(device)) for n, t in bucket])
+    layout = json.dumps([[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in entries]).encode()
+    return torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(device), buffer.to(device), len(entries)
+
+
+def _send_bucket(group: WeightGroup, layout: torch.Tensor, buffer: torch.Tensor) -> None:
+    """One packed bucket as three broadcasts: a header (layout and buffer sizes), the layout, the bytes."""
+    group.broadcast(torch.tensor([layout.numel(), buffer.numel()], dtype=torch.int64, device=group.device))
+    group.broadcast(layout)
+    group.broadcast(buffer)
+
+
+def _send_end(group: WeightGroup) -> None:
+    """The empty header that ends a sync."""
+    group.broadcast(torch.zeros(2, dtype=torch.int64, device=group.device))
+
+
 def send_weights(engine: Any, group: WeightGroup | None, bucket_bytes: int) -> dict[str, float]:
     """Actor side. Every actor rank iterates ``engine.weights_for_rollout`` (a collective gather); the one
     holding ``group`` (rank 0) broadcasts each bucket to the rollout leaders, then an empty header."""
@@ -116,17 +140,70 @@ def send_weights(engine: Any, group: WeightGroup | None, bucket_bytes: int) -> d
     for bucket in engine.weights_for_rollout(bucket_bytes):
         if group is None:
             continue
-        buffer, entries = pack_bucket([(n, t.detach().to(group.device)) for n, t in bucket])
-        layout = json.dumps([[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in entries]).encode()
-        group.broadcast(torch.tensor([len(layout), buffer.numel()], dtype=torch.int64, device=group.device))
-        group.broadcast(torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(group.device))
-        group.broadcast(buffer.to(group.device))
-        tensors += len(entries)
+        layout, buffer, count = _pack(bucket, group.device)
+        _send_bucket(group, layout, buffer)
+        tensors += count
         nbytes += buffer.numel()
     if group is not None:
-        group.broadcast(torch.zeros(2, dtype=torch.int64, device=group.device))  # end of this sync
+        _send_end(group)
     return {"timing/weight_send": time.perf_counter() - start, "weight_sync/tensors": float(tensors),
             "weight_sync/bytes": float(nbytes)}
+
+
+class BackgroundSender:
+    """Actor side of a transfer that must not hold the actor up (``trainer.async_mode=fully_async``).
+
+    :meth:`submit` gathers the weights (every actor rank: the gather is collective) into packed copies on
+    rank 0 and returns; a thread of rank 0 then broadcasts them while the actor goes on training. The
+    rollout leaders receive when they reach the ``receive_weights`` call queued behind the generation they
+    run, so the broadcast waits for that generation, not the actor. One snapshot at a time: the next
+    :meth:`submit` first waits for the previous send (and raises its error, if it failed).
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._metrics: dict[str, float] = {}
+
+    def submit(self, engine: Any, group: WeightGroup | None, bucket_bytes: int) -> dict[str, float]:
+        """Snapshot the weights and start sending them; returns the gather's metrics."""
+        self.wait()
+        start = time.perf_counter()
+        packed = []
+        for bucket in engine.weights_for_rollout(bucket_bytes):
+            if group is not None:
+                packed.append(_pack(bucket, group.device))
+        gathered = time.perf_counter() - start
+        if group is None:
+            return {"timing/weight_gather": gathered}
+        nbytes = sum(buffer.numel() for _, buffer, _ in packed)
+        self._metrics = {"weight_sync/tensors": float(sum(n for _, _, n in packed)), "weight_sync/bytes": float(nbytes)}
+
+        def run() -> None:
+            try:
+                for layout, buffer, _ in packed:
+                    _send_bucket(group, layout, buffer)
+                _send_end(group)
+            except BaseException as exc:  # raised by the next submit() or wait()
+                logger.exception("background weight send failed")
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="polyrl-weight-send", daemon=True)
+        self._thread.start()
+        return {"timing/weight_gather": gathered, **self._metrics}
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the send in progress (if any); False if it is still running after ``timeout`` seconds.
+        Raises the error of a send that failed."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"weight transfer: the background send to the rollout failed: {error!r}") from error
+        return True
 
 
 def receive_weights(group: WeightGroup, rollout: Any) -> dict[str, float]:
@@ -164,8 +241,12 @@ class CollectiveWeightSync:
         self.actor, self.rollout, self.leaders = actor, rollout, list(leaders)
         self.joined = False
 
-    def _join(self) -> None:
+    def join(self) -> None:
+        """Set the group up (on first use; later calls return at once)."""
         import ray
+
+        if self.joined:
+            return
 
         from polyrl.controller.cluster import rendezvous_address
 
@@ -182,8 +263,7 @@ class CollectiveWeightSync:
         """Actor weights -> every rollout leader; the actor's metrics of this sync."""
         import ray
 
-        if not self.joined:
-            self._join()
+        self.join()
         sends = [w.send_weights.remote() for w in self.actor.workers]
         receives = [self.rollout.workers[r].receive_weights.remote() for r in self.leaders]
         results = ray.get(sends + receives)
@@ -192,6 +272,7 @@ class CollectiveWeightSync:
 
 __all__ = [
     "WEIGHT_TRANSFER_MODES",
+    "BackgroundSender",
     "CollectiveWeightSync",
     "WeightGroup",
     "join_weight_group",
