@@ -69,14 +69,19 @@ def _run(members):
         raise errors[0]
 
 
-def test_broadcast_delivers_every_bucket_bit_for_bit_twice():
+def _join_groups(size: int) -> dict[int, object]:
+    """A gloo weight group of ``size`` ranks on loopback, joined from one thread per rank."""
     from polyrl.distributed import free_port
 
-    port, size = free_port(), 3
-    platform = CPUPlatform()
+    port, platform = free_port(), CPUPlatform()
     groups: dict[int, object] = {}
     _run([lambda r=r: groups.__setitem__(r, join_weight_group(platform, "127.0.0.1", port, r, size, timeout_s=60))
           for r in range(size)])
+    return groups
+
+
+def test_broadcast_delivers_every_bucket_bit_for_bit_twice():
+    groups = _join_groups(3)
     buckets = _buckets()
     engine, rollouts = _Engine(buckets), [_Rollout(), _Rollout()]
     results: dict[str, dict] = {}
@@ -100,13 +105,7 @@ def test_broadcast_delivers_every_bucket_bit_for_bit_twice():
 def test_background_send_returns_at_once_and_delivers_the_snapshot_to_a_late_receiver():
     """fully_async: the actor snapshots and goes on (its weights change), the rollout joins the broadcast
     later (after its generation in flight) and gets the snapshot, sync after sync, in order."""
-    from polyrl.distributed import free_port
-
-    port, size = free_port(), 2
-    platform = CPUPlatform()
-    groups: dict[int, object] = {}
-    _run([lambda r=r: groups.__setitem__(r, join_weight_group(platform, "127.0.0.1", port, r, size, timeout_s=60))
-          for r in range(size)])
+    groups = _join_groups(2)
     buckets = _buckets()
     engine, rollout, sender = _Engine(buckets), _Rollout(), BackgroundSender()
     snapshots = []
