@@ -1,6 +1,6 @@
 """Flow-GRPO, Flow-GRPO-Fast, MixGRPO, DanceGRPO and DiffusionNFT head to head on the tiny model.
 
-    python benchmarks/bench_diffusion_algos.py --steps 15 --seeds 0 1 2 --target 0.6 --out runs/bench_diffusion_algos
+    python benchmarks/bench_diffusion_algos.py --steps 25 --seeds 0 1 2 3 4 --target 0.7 --out runs/bench_diffusion_algos
 
 Every algorithm trains the same tiny SD3-family pipeline (random init, built in code) on the same offline
 reward (``brightness``: mean pixel value in [0, 1]) with the same prompts, batch (4 prompts x 4 images),
@@ -45,14 +45,10 @@ ALGORITHMS: dict[str, list[str]] = {
 
 def common_overrides(model: Path, data: Path, run: Path, steps: int, seed: int, reward: str, lr: float) -> list[str]:
     """The settings every algorithm shares."""
-    return [
-        f"model.path={model}", f"data.train_files=[{data}]", f"data.train_batch_size={BATCH}", f"data.seed={seed}",
-        f"trainer.seed={seed}", "actor.engine=diffusers", "rollout.name=diffusers", "trainer.name=flow_grpo",
-        "algorithm.adv_estimator=flow_grpo", "actor.policy_loss.loss_mode=flow_grpo", f"reward.function={reward}",
-        f"actor.ppo_mini_batch_size={BATCH}", "actor.micro_batch_size=16", f"actor.optim.lr={lr}", f"rollout.n={N}",
-        f"trainer.total_steps={steps}", "trainer.progress_bar=false", "trainer.logger=[jsonl]", f"trainer.run_dir={run}",
-        "trainer.executor=local", "trainer.flow_grpo.train_steps=6", "trainer.resume=disable",
-    ]
+    from polyrl_diffusion.quickstart import flow_grpo_overrides
+
+    return [*flow_grpo_overrides(model, data, run, batch=BATCH, n=N, lr=lr, steps=steps, reward=reward),
+            f"data.seed={seed}", f"trainer.seed={seed}", "trainer.resume=disable"]
 
 
 def run_one(algo: str, seed: int, *, root: Path, model: Path, data: Path, steps: int, reward: str,

@@ -6,6 +6,7 @@ SD3-family pipeline (random init, built in code) on the offline ``brightness`` r
 the mean reward of the last four steps must clearly exceed the first steps', while the same run with the
 rewards shuffled among the images of each batch (no signal, same noise) must not move as much.
 Measured here 2026-11-23 over seeds 1-4: gain 0.16-0.37, control drift -0.11 to +0.04 (16 steps, 4-step means).
+Runs are reproducible from ``trainer.seed`` (default 1): gain 0.20-0.34, control drift -0.00 to +0.10.
 """
 
 from __future__ import annotations
@@ -58,13 +59,12 @@ def setup(tmp_path_factory):
 def _run(setup: dict, name: str, reward: str, extra: list[str]) -> list[dict]:
     root = setup["root"]
     run = root / name
+    from polyrl_diffusion.quickstart import flow_grpo_overrides
+
     train(root / "polyrl.toml", [], [
-        f"model.path={setup['model']}", f"data.train_files=[{root / 'train.jsonl'}]", "data.train_batch_size=4",
-        "actor.engine=diffusers", "rollout.name=diffusers", "trainer.name=flow_grpo",
-        "algorithm.adv_estimator=flow_grpo", "actor.policy_loss.loss_mode=flow_grpo", f"reward.function={reward}",
-        "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=16", "actor.optim.lr=4e-3", "rollout.n=4",
-        f"trainer.total_steps={STEPS}", "trainer.progress_bar=false", "trainer.logger=[jsonl]",
-        f"trainer.run_dir={run}", "trainer.executor=local", "trainer.flow_grpo.train_steps=4", *extra,
+        *flow_grpo_overrides(setup["model"], root / "train.jsonl", run, batch=4, n=4, lr=4e-3, steps=STEPS,
+                             sampler_steps=4, reward=reward),
+        *extra,
     ])
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "critic/score/mean" in r]

@@ -104,3 +104,26 @@ def test_batching_client_shares_budgets_and_cuts_back(rollout):
     assert counting.calls == [3] and counting.budgets == [9, 9, 9]  # one batch for the rollout
     for b, (r,) in zip(budgets, results):
         assert len(r.response_ids) == len(r.log_probs) == b and r.finish_reason == "length"
+
+
+def test_run_agent_loops_never_builds_the_outputs_repr():
+    """On the main thread, asyncio.run's SIGINT bookkeeping reprs the finished main task, result included; with
+    tensors in the outputs (image rollouts) that cost 0.3 s per step. The outputs must not be the task's result."""
+    import threading
+
+    assert threading.current_thread() is threading.main_thread()  # where the SIGINT handler is installed
+    calls = []
+
+    class Costly:
+        def __repr__(self) -> str:
+            calls.append(1)
+            return "Costly()"
+
+    class Loop:
+        async def run(self, sample, sampling_params, client):
+            return AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1], log_probs=[0.0],
+                                   extra={"payload": Costly()})
+
+    outs = run_agent_loops([{"uid": "a"}, {"uid": "b"}], SamplingParams(), client=None, loops={"single_turn": Loop()})
+    assert [type(o.extra["payload"]) for o in outs] == [Costly, Costly]
+    assert calls == []

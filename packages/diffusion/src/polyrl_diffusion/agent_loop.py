@@ -36,7 +36,9 @@ class DiffusionAgentLoop:
         request = GenerationRequest(
             prompt_ids=[], sampling_params=sampling_params.replace(n=1), request_id=str(sample.get("uid", "")),
             multi_modal={"prompt": prompt_text(sample["prompt"]), "negative_prompt": sample.get("negative_prompt"),
-                         "train_step": int(sample.get("_train_step", 0)), "validate": bool(sample.get("_validate"))})
+                         "train_step": int(sample.get("_train_step", 0)), "validate": bool(sample.get("_validate")),
+                         # the sample's identity for its random streams (set by the flow_grpo worker)
+                         "sample_key": sample.get("_sample_key"), "repeat": sample.get("_repeat")})
         (result,) = await client.agenerate(request)
         return AgentLoopOutput(prompt_ids=[], response_ids=[], response_mask=[], log_probs=[], num_turns=1,
                                finish_reason=result.finish_reason, extra=dict(result.extra))

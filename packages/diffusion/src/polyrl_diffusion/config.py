@@ -53,6 +53,10 @@ class FlowGRPOConfig:
     #: Classifier-free guidance scale (1 disables CFG); the guided velocity is trained (``train_cfg``).
     cfg_scale: float = 1.0
     train_cfg: bool = True
+    #: Guidance-distilled FLUX transformers (``guidance_embeds``, e.g. FLUX.1-dev): the value of their guidance
+    #: embedding while sampling and training (diffusers' FluxPipeline ``guidance_scale``, default 3.5). Ignored by
+    #: models without the embedding (SD3, FLUX.1-schnell, the tiny pipelines).
+    embedded_guidance: float = 3.5
     #: The negative prompt for CFG where a row has none ("" is the unconditional prompt).
     negative_prompt: str = ""
     #: Fraction of the SDE steps of each image that is trained (a random subset, at least one).
@@ -84,6 +88,10 @@ class DiffusersRolloutConfig:
 
     #: Images generated per forward pass (rows of a request batch are cut into chunks of this size).
     max_batch_size: int = 64
+    #: Text embeddings kept per distinct prompt string (LRU; 0 keeps none across calls). Each call encodes every
+    #: distinct prompt once; the text encoder is frozen (only the transformer trains), so entries never go stale.
+    #: Memory: one entry is ``L x D`` floats (SD3.5 333 x 4096: 5.5 MB on the rollout device).
+    text_cache_size: int = 64
     #: Filled in by the flow_grpo trainer; a rollout built directly gets the defaults.
     sampler: FlowGRPOConfig = field(default_factory=FlowGRPOConfig)
 

@@ -76,8 +76,16 @@ class DiffusionRoot(nn.Module):
                 uncond = TextEmbeddings(inputs["negative_prompt_embeds"].repeat_interleave(t, 0),
                                         inputs["negative_pooled_prompt_embeds"].repeat_interleave(t, 0))
 
+        embedded = 1.0  # a guidance-distilled FLUX's embedded guidance, as the rollout sampled with it
+        if "embedded_guidance" in inputs:
+            values = inputs["embedded_guidance"].float()
+            embedded = float(values[0])
+            if not bool((values == embedded).all()):
+                raise ValueError("a micro-batch mixes embedded guidance values; sample every row of a step with one "
+                                 "trainer.flow_grpo.embedded_guidance")
+
         def velocity_fn(xx: torch.Tensor, ss: torch.Tensor, emb: TextEmbeddings) -> torch.Tensor:
-            return transformer_velocity(self.model, self.family, xx, ss, emb)
+            return transformer_velocity(self.model, self.family, xx, ss, emb, embedded)
 
         v = guided(velocity_fn, x, sigma, cond, uncond, scale, _concat)
         out = {"velocity": v.reshape(b, t, *v.shape[1:])}
@@ -189,10 +197,14 @@ class DiffusersEngine(FSDPEngine):
     def export_hf(self, path: str) -> None:
         """A pipeline folder at ``path``: the source folder's other components (text encoders, tokenizer, VAE,
         scheduler, ``model_index.json``) copied, and ``transformer/`` with the trained weights (LoRA merged, or
-        with ``diffusers.lora_export: adapter`` the peft adapter in ``transformer_lora/``). Collective."""
+        with ``diffusers.lora_export: adapter`` the source's transformer and the peft adapter folder
+        ``transformer_lora/``, for ``PeftModel.from_pretrained``). Collective."""
         out = Path(path)
         adapter = self.lora and self.fsdp.lora_export == "adapter"
-        source = self._adapter_params() if adapter else self._full_params()
+        if adapter:  # peft's own names (with the adapter name), which its save_pretrained expects
+            source = ((n[len("model."):], _full(p)) for n, p in self.module.named_parameters() if p.requires_grad)
+        else:
+            source = self._full_params()
         tensors = {}
         for name, tensor in source:  # every rank gathers, rank 0 keeps
             if self._rank == 0:
@@ -201,18 +213,16 @@ class DiffusersEngine(FSDPEngine):
             src = Path(self.config.model.path)
             out.mkdir(parents=True, exist_ok=True)
             for item in src.iterdir():
-                if item.name in ("transformer",):
+                if item.name in ("transformer", "transformer_lora", "polyrl_export.json"):  # written below
                     continue
                 target = out / item.name
                 if item.is_dir():
                     shutil.copytree(item, target, dirs_exist_ok=True)
                 else:
                     shutil.copy2(item, target)
-            if adapter:
-                from safetensors.torch import save_file
-
-                (out / "transformer_lora").mkdir(exist_ok=True)
-                save_file(tensors, str(out / "transformer_lora" / "adapter_model.safetensors"))
+            if adapter:  # adapter_config.json + adapter_model.safetensors: PeftModel.from_pretrained loads it
+                self.module.model.save_pretrained(str(out / "transformer_lora"), state_dict=tensors,
+                                                  save_embedding_layers=False)
                 shutil.copytree(src / "transformer", out / "transformer", dirs_exist_ok=True)
             else:
                 model = load_transformer(src, f"{self.role}.model.path")

@@ -10,7 +10,9 @@ A model is a folder. Two kinds load:
   one text encoder instead of SD3's three keeps the model a few MB and the whole RL run on a laptop CPU,
   while the transformer, its conditioning inputs and the sampler are exactly those of the real family.
 * a **diffusers checkpoint folder** (``StableDiffusion3Pipeline``, ``FluxPipeline``): the transformer,
-  text encoders and VAE of a real model; the prompt is encoded by the pipeline's own ``encode_prompt``.
+  text encoders and VAE of a real model; the prompt is encoded by the pipeline's own ``encode_prompt`` and the
+  sigma schedule is the pipeline's scheduler's. :func:`make_tiny_diffusers_pipeline` writes such a folder with
+  tiny random-init components (no download); the tests check polyrl's sampler against the pipeline itself.
 
 Any other ``_class_name`` is a :class:`polyrl.errors.ConfigError` naming the key and the supported classes.
 :class:`FlowModel` hides the family differences: text encoding, the transformer call (latent packing,
@@ -39,6 +41,7 @@ __all__ = [
     "TextEmbeddings",
     "load_flow_model",
     "load_transformer",
+    "make_tiny_diffusers_pipeline",
     "make_tiny_pipeline",
     "pipeline_family",
     "transformer_velocity",
@@ -101,7 +104,16 @@ def load_transformer(path: str | Path, key: str = "actor.model.path", dtype: tor
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
     cls = SD3Transformer2DModel if family == "sd3" else FluxTransformer2DModel
-    return cls.from_pretrained(str(Path(path) / "transformer"), torch_dtype=dtype)
+    return cls.from_pretrained(str(Path(path) / "transformer"), **_dtype_kwarg(dtype))
+
+
+def _dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """diffusers' ``from_pretrained`` dtype argument: ``dtype`` where supported (0.42+ deprecates ``torch_dtype``)."""
+    try:
+        from diffusers.utils.deprecation_utils import _resolve_dtype  # noqa: F401  (present where `dtype` is)
+    except ImportError:
+        return {"torch_dtype": dtype}
+    return {"dtype": dtype}
 
 
 # ---------------------------------------------------------------------------- the transformer call, per family
@@ -128,11 +140,13 @@ def _flux_ids(h: int, w: int, text_len: int, device: torch.device, dtype: torch.
 
 
 def transformer_velocity(transformer: nn.Module, family: str, latents: torch.Tensor, sigma: torch.Tensor,
-                         embeds: TextEmbeddings) -> torch.Tensor:
+                         embeds: TextEmbeddings, guidance: float = 1.0) -> torch.Tensor:
     """``v_theta(latents, sigma, text)`` ``[N, C, H, W]`` for ``N`` rows (``sigma`` ``[N]``), in float32.
 
     SD3 takes the timestep as ``1000 * sigma``; FLUX takes ``sigma`` itself and packed latents with
-    position ids (and a guidance embedding for guidance-distilled checkpoints, set to 1 here).
+    position ids, and a guidance-distilled FLUX transformer (``guidance_embeds``, e.g. FLUX.1-dev) the value
+    ``guidance`` in its guidance embedding (``trainer.flow_grpo.embedded_guidance``; diffusers' pipeline
+    calls it ``guidance_scale``). Models without the embedding ignore ``guidance``.
     """
     dtype = next(transformer.parameters()).dtype
     x = latents.to(dtype)
@@ -144,9 +158,10 @@ def transformer_velocity(transformer: nn.Module, family: str, latents: torch.Ten
     b, c, h, w = latents.shape
     img_ids, txt_ids = _flux_ids(h, w, text.shape[1], latents.device, dtype)
     config = getattr(transformer, "config", None)
-    guidance = torch.ones(b, device=latents.device, dtype=dtype) if getattr(config, "guidance_embeds", False) else None
+    embedded = (torch.full((b,), float(guidance), device=latents.device, dtype=dtype)
+                if getattr(config, "guidance_embeds", False) else None)
     out = transformer(hidden_states=_pack(x), encoder_hidden_states=text, pooled_projections=pooled,
-                      timestep=sigma.to(dtype), img_ids=img_ids, txt_ids=txt_ids, guidance=guidance,
+                      timestep=sigma.to(dtype), img_ids=img_ids, txt_ids=txt_ids, guidance=embedded,
                       return_dict=False)[0]
     return _unpack(out.float(), c, h, w)
 
@@ -159,7 +174,7 @@ class FlowModel:
 
     Built with :func:`load_flow_model`. ``encode(prompts)`` -> :class:`TextEmbeddings`;
     ``velocity(latents, sigma, embeds)``; ``decode(latents)`` -> ``uint8 [N, 3, H, W]``;
-    ``latent_shape(height, width)``; ``shift`` of the sigma schedule.
+    ``latent_shape(height, width)``; ``sigma_schedule(num_steps, latent_hw)``.
     """
 
     def __init__(self, path: str | Path, *, key: str = "actor.model.path", device: Any = "cpu",
@@ -183,7 +198,7 @@ class FlowModel:
         else:
             from diffusers import DiffusionPipeline
 
-            self.pipeline = DiffusionPipeline.from_pretrained(str(path), torch_dtype=dtype).to(self.device)
+            self.pipeline = DiffusionPipeline.from_pretrained(str(path), **_dtype_kwarg(dtype)).to(self.device)
             self.transformer = self.pipeline.transformer.eval()
             self.vae = self.pipeline.vae
             self.tokenizer = self.pipeline.tokenizer
@@ -199,7 +214,9 @@ class FlowModel:
         if self.family == "sd3":
             channels, default = int(cfg.in_channels), int(cfg.sample_size)
         else:
-            channels, default = int(cfg.in_channels) // 4, 64 if not self.tiny else 8
+            channels, default = int(cfg.in_channels) // 4, 8
+        if not self.tiny:  # the pipeline's default image size (SD3: the transformer's sample_size; FLUX: 128)
+            default = int(getattr(self.pipeline, "default_sample_size", default))
         factor = 1 if self.tiny else 2 ** (len(self.vae.config.block_out_channels) - 1)
         h = (height // factor) if height else default
         w = (width // factor) if width else default
@@ -237,9 +254,15 @@ class FlowModel:
         return TextEmbeddings(embeds.float(), pooled.float())
 
     # ---------------------------------------------------------------- model and decoding
-    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: TextEmbeddings) -> torch.Tensor:
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: TextEmbeddings,
+                 guidance: float = 1.0) -> torch.Tensor:
         """The transformer's velocity (see :func:`transformer_velocity`)."""
-        return transformer_velocity(self.transformer, self.family, latents, sigma, embeds)
+        return transformer_velocity(self.transformer, self.family, latents, sigma, embeds, guidance)
+
+    @property
+    def guidance_embedded(self) -> bool:
+        """Whether the transformer takes a guidance value in an embedding (guidance-distilled FLUX)."""
+        return bool(getattr(self.transformer.config, "guidance_embeds", False))
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -252,8 +275,42 @@ class FlowModel:
             x = self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0].float()
         return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
 
+    def sigma_schedule(self, num_steps: int, latent_hw: tuple[int, int]) -> torch.Tensor:
+        """``num_steps + 1`` sigmas from 1 to 0 (float32, on the CPU) for latents of ``latent_hw``.
+
+        A diffusers folder gets exactly its pipeline's schedule, from its own scheduler configured as the
+        pipeline configures it: SD3 ``set_timesteps(num_steps)`` (uniform from ``sigma_max`` to the
+        scheduler's ``sigma_min``, then shifted), FLUX uniform from 1 to ``1/num_steps`` with the dynamic shift
+        ``mu`` of the image's token count; both then append 0. A tiny polyrl pipeline: uniform from 1 to 0,
+        then ``shift`` (:func:`polyrl_diffusion.sampler.sigma_schedule`).
+        """
+        if self.pipeline is None:
+            from polyrl_diffusion.sampler import sigma_schedule
+
+            return sigma_schedule(num_steps, self.shift)
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        import numpy as np
+
+        base = self.pipeline.scheduler
+        sched = type(base).from_config(base.config)  # a private copy: the pipeline's own keeps its state
+        cfg = sched.config
+        patch = int(getattr(self.transformer.config, "patch_size", 1)) if self.family == "sd3" else 2
+        seq = (latent_hw[0] // patch) * (latent_hw[1] // patch)
+        kwargs: dict[str, Any] = {}
+        if self.family == "flux" or getattr(cfg, "use_dynamic_shifting", False):
+            lo, hi = cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096)
+            b_shift = cfg.get("base_shift", 0.5)
+            m_shift = cfg.get("max_shift", 1.15 if self.family == "flux" else 1.16)
+            kwargs["mu"] = b_shift + (m_shift - b_shift) * (seq - lo) / (hi - lo)
+        if self.family == "flux" and not getattr(cfg, "use_flow_sigmas", False):
+            kwargs["sigmas"] = np.linspace(1.0, 1 / num_steps, num_steps)
+        sched.set_timesteps(num_steps, device="cpu", **kwargs)
+        return sched.sigmas.detach().float().cpu()
+
     def sigma_shift(self, latent_hw: tuple[int, int]) -> float:
-        """The schedule's shift (SD3's static ``shift``; FLUX's dynamic one from the image size)."""
+        """The schedule's shift (SD3's static ``shift``; FLUX's dynamic one from the image size). Sampling uses
+        :meth:`sigma_schedule`, which for a diffusers folder is its scheduler's exact schedule."""
         if self.pipeline is None:
             return self.shift
         sched = self.pipeline.scheduler.config
@@ -334,4 +391,126 @@ def make_tiny_pipeline(path: str | Path, *, family: str = "sd3", sample_size: in
         "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
         "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
     }, indent=2))
+    return out
+
+
+# ---------------------------------------------------------------------------- real-format pipelines, tiny
+
+
+def _byte_unicode() -> dict[int, str]:
+    """GPT-2/CLIP's reversible byte -> printable character table (byte-level BPE's alphabet)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _tiny_clip_tokenizer(max_length: int) -> Any:
+    """A real ``CLIPTokenizer`` (byte-level BPE, CLIP's pre-tokenizer) over the 512 byte symbols of CLIP's
+    vocabulary plus :data:`TINY_VOCAB`'s words as whole-word merges: any text tokenizes, nothing is downloaded."""
+    from transformers import CLIPTokenizer
+
+    chars = list(_byte_unicode().values())
+    vocab: dict[str, int] = {}
+    for tok in chars + [c + "</w>" for c in chars]:
+        vocab.setdefault(tok, len(vocab))
+    merges: list[tuple[str, str]] = []
+    for word in sorted(set(TINY_VOCAB)):
+        cur = word[0]
+        for k, ch in enumerate(word[1:], start=1):
+            right = ch + ("</w>" if k == len(word) - 1 else "")
+            merged = cur + right
+            if merged not in vocab:
+                merges.append((cur, right))
+                vocab[merged] = len(vocab)
+            cur = merged
+    for special in ("<|startoftext|>", "<|endoftext|>"):
+        vocab[special] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+
+
+def _tiny_t5_tokenizer(max_length: int) -> Any:
+    """A real ``T5TokenizerFast`` (unigram, T5's metaspace pre-tokenizer) over letters, digits and
+    :data:`TINY_VOCAB`'s words."""
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?'\"-"]
+    pieces += [("\u2581" + w, -1.0) for w in sorted(set(TINY_VOCAB))]
+    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
+
+
+def make_tiny_diffusers_pipeline(path: str | Path, *, family: str = "sd3", sample_size: int = 8, seed: int = 0,
+                                 text_length: int = 16, guidance_embeds: bool = False) -> Path:
+    """Write a tiny random-init **real-format** diffusers pipeline folder (no download) and return its path.
+
+    ``family="sd3"``: a ``StableDiffusion3Pipeline`` (``SD3Transformer2DModel``, two
+    ``CLIPTextModelWithProjection`` + a ``T5EncoderModel`` with their tokenizers, an ``AutoencoderKL`` with
+    SD3's scaling/shift factors, ``FlowMatchEulerDiscreteScheduler`` with shift 3). ``family="flux"``: a
+    ``FluxPipeline`` (``FluxTransformer2DModel``, ``CLIPTextModel`` + ``T5EncoderModel``, ``AutoencoderKL``,
+    the scheduler with dynamic shifting). The folder loads with ``DiffusionPipeline.from_pretrained`` and is
+    what a real checkpoint looks like, at a few MB: for tests of code that reads real folders. Latents are
+    ``sample_size x sample_size`` (images twice that: the VAE downsamples by 2); the CLIP encoders take
+    ``text_length`` tokens (T5 takes the pipelines' default lengths). ``guidance_embeds``: a FLUX transformer
+    with a guidance embedding, as guidance-distilled checkpoints (FLUX.1-dev) have. Needs transformers 5
+    (tokenizers built from a vocabulary in memory).
+    """
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    if family not in ("sd3", "flux"):
+        raise ValueError(f"family={family!r}: choose 'sd3' or 'flux'")
+    out = Path(path)
+    torch.manual_seed(seed)
+    clip_width, t5_width, latent_channels = 16, 32, 4
+    clip_tok = _tiny_clip_tokenizer(text_length)
+    t5_tok = _tiny_t5_tokenizer(512)
+
+    def clip_config() -> Any:
+        return CLIPTextConfig(vocab_size=len(clip_tok), hidden_size=clip_width, intermediate_size=2 * clip_width,
+                              num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=text_length,
+                              projection_dim=clip_width, bos_token_id=clip_tok.bos_token_id,
+                              eos_token_id=clip_tok.eos_token_id, pad_token_id=clip_tok.pad_token_id, hidden_act="gelu")
+
+    t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), d_model=t5_width, d_ff=2 * t5_width, d_kv=8, num_layers=1,
+                                 num_heads=2, relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
+                                 decoder_start_token_id=0))
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(8, 8),
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        layers_per_block=1, norm_num_groups=4, sample_size=2 * sample_size,
+                        scaling_factor=1.5305 if family == "sd3" else 0.3611,
+                        shift_factor=0.0609 if family == "sd3" else 0.1159,
+                        use_quant_conv=False, use_post_quant_conv=False)
+    if family == "sd3":
+        transformer = SD3Transformer2DModel(
+            sample_size=sample_size, patch_size=2, in_channels=latent_channels, out_channels=latent_channels,
+            num_layers=2, attention_head_dim=8, num_attention_heads=2, joint_attention_dim=t5_width,
+            caption_projection_dim=16, pooled_projection_dim=2 * clip_width, pos_embed_max_size=max(16, sample_size))
+        pipe: Any = StableDiffusion3Pipeline(
+            transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+            text_encoder=CLIPTextModelWithProjection(clip_config()), tokenizer=clip_tok,
+            text_encoder_2=CLIPTextModelWithProjection(clip_config()), tokenizer_2=_tiny_clip_tokenizer(text_length),
+            text_encoder_3=t5, tokenizer_3=t5_tok)
+    else:
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=4 * latent_channels, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=t5_width, pooled_projection_dim=clip_width,
+            guidance_embeds=guidance_embeds, axes_dims_rope=(4, 4, 8))
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                                                    max_shift=1.15, base_image_seq_len=4, max_image_seq_len=64)
+        pipe = FluxPipeline(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=CLIPTextModel(
+            clip_config()), tokenizer=clip_tok, text_encoder_2=t5, tokenizer_2=t5_tok)
+    pipe.save_pretrained(str(out))
     return out

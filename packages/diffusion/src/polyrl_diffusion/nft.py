@@ -7,7 +7,8 @@ per-prompt normalised rewards) -> actor update -> weight sync. What differs is t
 
 1. the rollout's clean samples ``x0`` are noised on the forward process at ``K`` random times per
    image, ``x_t = (1 - t) x0 + t eps``, with the flow-matching target ``v = eps - x0``;
-2. the sampling policy's velocity ``v_old`` at those points is computed once, before any optimiser step;
+2. the sampling policy's velocity ``v_old`` at those points is computed once, before any optimiser step
+   (every epoch and mini-batch of ``actor.ppo_epochs`` reuses it: it is a field of the training batch);
 3. the loss is :func:`polyrl_diffusion.algorithms.compute_diffusion_nft_loss` with the optimality
    probability ``r = 1/2 + 1/2 clip(A / adv_clip_max, -1, 1)`` of each image.
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 #: batch fields of the rollout the NFT update keeps (text conditioning); CFG's negative branch is dropped
-CONDITIONING = ("prompt_embeds", "pooled_prompt_embeds", "text_ids", "prompt_attention_mask")
+CONDITIONING = ("prompt_embeds", "pooled_prompt_embeds", "text_ids", "prompt_attention_mask", "embedded_guidance")
 
 
 @dataclass
@@ -135,11 +136,16 @@ def update_actor_nft(worker: Any, batch: Any) -> dict[str, float]:
     import torch
 
     from polyrl.trainer.role_worker import _run_epochs
+    from polyrl_diffusion.sampler import group_seed
 
     cfg = nft_options(worker.config)
     actor_cfg = worker.config.actor
-    seed = int(worker.config.data.seed) * 100_003 + int(getattr(worker, "_nft_calls", 0)) * 101 + worker.actor.dp_rank
-    worker._nft_calls = int(getattr(worker, "_nft_calls", 0)) + 1
+    # the forward-process draws follow trainer.seed, the training step (the rollout's ``train_step`` field;
+    # a count of updates for a batch without it) and the rank: reproducible, distinct per step and rank
+    calls = int(getattr(worker, "_nft_calls", 0))
+    worker._nft_calls = calls + 1
+    step = int(batch["train_step"][0]) if "train_step" in batch.keys() and batch.batch_size[0] else f"call{calls}"
+    seed = group_seed(int(worker.config.trainer.seed), f"nft:{step}:{worker.actor.dp_rank}")
     data = nft_batch(batch, cfg, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         data["nft_old_velocity"] = worker.actor.infer_batch(data)["velocity"].detach()

@@ -76,23 +76,27 @@ def sample_images(model_dir: Path, steps: int = 12) -> torch.Tensor:
     return model.decode(x)
 
 
-def export_checkpoint(model_dir: Path, actor_ckpt: Path, out: Path) -> Path:
-    """A pipeline folder at ``out`` with the trained transformer of an actor checkpoint (one process)."""
-    from polyrl.config.roles import EngineRoleConfig, ModelConfig
-    from polyrl_diffusion.engine import DiffusersEngine
-
-    engine = DiffusersEngine(EngineRoleConfig(engine="diffusers", model=ModelConfig(path=str(model_dir))),
-                             role="actor", model_type="diffusion")
-    engine.load_checkpoint(str(actor_ckpt))
-    engine.export_hf(str(out))
-    return out
+def flow_grpo_overrides(model: str | Path, train_file: str | Path, run_dir: str | Path, *, batch: int, n: int,
+                        lr: float, steps: int, micro_batch: int = 16, sampler_steps: int = 6,
+                        reward: str = "brightness", executor: str = "local") -> list[str]:
+    """The ``key=value`` overrides of a ``flow_grpo`` run of ``steps`` steps on ``model`` (a pipeline folder):
+    ``batch`` prompts x ``n`` images a step, one mini-batch, ``sampler_steps`` sampler steps while training,
+    the JSON-lines logger, no progress bar. Add the algorithm's own keys (docs/diffusion.md) after them."""
+    return [
+        f"model.path={model}", f"data.train_files=[{train_file}]", f"data.train_batch_size={batch}",
+        "actor.engine=diffusers", "rollout.name=diffusers", "trainer.name=flow_grpo",
+        "algorithm.adv_estimator=flow_grpo", "actor.policy_loss.loss_mode=flow_grpo", f"reward.function={reward}",
+        f"actor.ppo_mini_batch_size={batch}", f"actor.micro_batch_size={micro_batch}", f"actor.optim.lr={lr}",
+        f"rollout.n={n}", f"trainer.total_steps={steps}", "trainer.progress_bar=false", "trainer.logger=[jsonl]",
+        f"trainer.run_dir={run_dir}", f"trainer.executor={executor}", f"trainer.flow_grpo.train_steps={sampler_steps}",
+    ]
 
 
 def main(out: str = "runs/quickstart-diffusion") -> dict[str, float]:
     """Pre-train, measure, train with Flow-GRPO, measure again; returns the rewards before and after."""
     from PIL import Image
 
-    from polyrl.trainer.commands import train
+    from polyrl.trainer.commands import export, train
     from polyrl_diffusion.models import make_tiny_pipeline
     from polyrl_diffusion.rewards import brightness
     from polyrl_diffusion.trainer import images_grid
@@ -108,17 +112,12 @@ def main(out: str = "runs/quickstart-diffusion") -> dict[str, float]:
     (root / "polyrl.toml").write_text('[plugins]\nrequire = ["polyrl-engine-fsdp", "polyrl-diffusion"]\n')
     run = root / "run"
     train(root / "polyrl.toml", [], [
-        f"model.path={model}", f"data.train_files=[{root / 'train.jsonl'}]", "data.train_batch_size=4",
-        "actor.engine=diffusers", "rollout.name=diffusers", "trainer.name=flow_grpo",
-        "algorithm.adv_estimator=flow_grpo", "actor.policy_loss.loss_mode=flow_grpo", "reward.function=brightness",
-        "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=16", "actor.optim.lr=2e-3", "rollout.n=4",
-        "trainer.total_steps=25", "trainer.progress_bar=false", "trainer.logger=[jsonl]", f"trainer.run_dir={run}",
-        "trainer.executor=local", "trainer.save_freq=25", "trainer.flow_grpo.train_steps=8",
-        "trainer.flow_grpo.sde_window_size=4", "trainer.resume=disable",
+        *flow_grpo_overrides(model, root / "train.jsonl", run, batch=4, n=4, lr=2e-3, steps=25, sampler_steps=8),
+        "trainer.save_freq=25", "trainer.flow_grpo.sde_window_size=4", "trainer.resume=disable",
     ])
-    exported = run / "export"
+    exported = run / "export"  # what `polyrl export RUN/checkpoints/step_25 --to RUN/export` writes
     latest = (run / "checkpoints" / "latest").read_text().strip()
-    export_checkpoint(model, run / "checkpoints" / latest / "actor", exported)
+    export(run / "checkpoints" / latest, exported, manifest=root / "polyrl.toml")
     after = sample_images(exported)
     r0, r1 = float(brightness(before, PROMPTS).mean()), float(brightness(after, PROMPTS).mean())
     grid = images_grid(torch.cat([before, after]), columns=len(PROMPTS))

@@ -2,9 +2,21 @@
 
 Implements :class:`polyrl.protocols.Rollout`. A request's text arrives in ``multi_modal`` (the
 ``diffusion`` agent loop puts ``prompt``, ``negative_prompt``, ``train_step`` and ``validate`` there;
-``prompt_ids`` stay empty). Each result carries in ``extra`` what training needs (field names and
+``prompt_ids`` stay empty; the flow_grpo worker adds ``sample_key`` and ``repeat``, a sample's identity for its
+random streams). Each result carries in ``extra`` what training needs (field names and
 shapes: docs/diffusion.md, "Batch fields"): the trained steps' latents, sigmas, noise levels and
 log-probs, the text embeddings, the clean latents and the decoded image as ``uint8``.
+
+Randomness: every draw comes from the request's ``sampling_params.seed`` (the trainer's
+``trainer.seed * 1_000_003 + step``), the data-parallel rank and the samples' identities (``sample_key`` and
+``repeat``; a request without them: its ``request_id`` and its position among the rows of the call sharing
+it). A sample's initial noise depends on nothing else; the SDE noise and the trained-step subsets are drawn
+per chunk of ``max_batch_size`` rows (keyed by the chunk's first sample), so the same seed and the same
+batching settings give the same images. Only a request without a seed draws a fresh one.
+
+Text embeddings are computed once per distinct prompt of a call and kept in an LRU
+(``rollout.diffusers.text_cache_size``): the text encoder is frozen (the engine trains the transformer and
+:meth:`DiffusersRollout.update_weights` takes transformer weights only), so an entry never goes stale.
 """
 
 from __future__ import annotations
@@ -12,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -20,7 +34,7 @@ import torch
 from polyrl.protocols import GenerationRequest, GenerationResult, RolloutCapabilities
 from polyrl_diffusion.config import DiffusersRolloutConfig, FlowGRPOConfig
 from polyrl_diffusion.models import FlowModel, TextEmbeddings, load_flow_model
-from polyrl_diffusion.sampler import group_seed, guided, plan_steps, sample_trajectory, sigma_schedule
+from polyrl_diffusion.sampler import group_seed, guided, plan_steps, sample_trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +47,33 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _identities(rows: Sequence[tuple[GenerationRequest, int]]) -> list[tuple[str, int]]:
+    """``(key, repeat)`` of each row: what its random streams are keyed by (with the seed and the rank).
+
+    A request with ``multi_modal["sample_key"]`` and ``["repeat"]`` (set by the flow_grpo worker: the trainer's
+    deterministic sample key and the repeat's index among this rank's repeats of the row) uses them; otherwise
+    the ``request_id`` and the row's position among the rows of this call with the same id (a request's
+    ``n`` samples and the repeats of a GRPO group sent as separate requests get different noise).
+    """
+    out: list[tuple[str, int]] = []
+    seen: dict[str, int] = {}
+    for req, k in rows:
+        mm = req.multi_modal or {}
+        if mm.get("sample_key") is not None and mm.get("repeat") is not None:
+            out.append((str(mm["sample_key"]), int(mm["repeat"]) * req.sampling_params.n + k))
+            continue
+        gid = str(req.request_id or "")
+        count = seen.get(gid, 0)
+        seen[gid] = count + 1
+        out.append((gid, count))
+    return out
+
+
+def _tag(key: str, repeat: int) -> str:
+    """A sample's name in seed keys (``key`` alone for the first repeat)."""
+    return key if repeat == 0 else f"{key}:{repeat}"
 
 
 class DiffusersRollout:
@@ -51,12 +92,53 @@ class DiffusersRollout:
         self.device = device
         self.max_model_len = None
         self._params = dict(self.model.transformer.named_parameters())
+        self._text_cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._text_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ text
+    def embed(self, prompts: Sequence[str]) -> TextEmbeddings:
+        """Text embeddings of ``prompts`` (one row each, on the rollout's device).
+
+        Each distinct string is encoded once per call (the new ones in one text-encoder call) and kept in an
+        LRU of ``text_cache_size`` entries; a GRPO batch repeats each prompt ``n`` times. The rows are exactly
+        :meth:`FlowModel.encode` of the distinct prompts (on CPU, GEMM kernels of fewer than 4 rows may round
+        the pooled embedding differently from a larger batch, by about 1e-7).
+        """
+        unique = list(dict.fromkeys(str(p) for p in prompts))
+        found: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        with self._text_lock:
+            for p in unique:
+                hit = self._text_cache.get(p)
+                if hit is not None:
+                    self._text_cache.move_to_end(p)
+                    found[p] = hit
+        missing = [p for p in unique if p not in found]
+        if missing:
+            enc = self.model.encode(missing)
+            size = max(0, int(self.options.text_cache_size))
+            with self._text_lock:
+                for j, p in enumerate(missing):
+                    # a copy per entry: a view would keep the whole encoder batch alive after eviction
+                    found[p] = (enc.prompt_embeds[j].clone(), enc.pooled[j].clone()) if size else (
+                        enc.prompt_embeds[j], enc.pooled[j])
+                    if size:
+                        self._text_cache[p] = found[p]
+                        self._text_cache.move_to_end(p)
+                while len(self._text_cache) > size:
+                    self._text_cache.popitem(last=False)
+        return TextEmbeddings(torch.stack([found[str(p)][0] for p in prompts]),
+                              torch.stack([found[str(p)][1] for p in prompts]))
+
+    def clear_text_cache(self) -> None:
+        """Forget the cached text embeddings (for a caller that changes the text encoder in place)."""
+        with self._text_lock:
+            self._text_cache.clear()
 
     # ------------------------------------------------------------------ generation
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """``n`` images per request, grouped by request in input order (see the module docstring)."""
         rows: list[tuple[GenerationRequest, int]] = [(r, k) for r in requests for k in range(r.sampling_params.n)]
-        results: list[GenerationResult] = []
+        idents = _identities(rows)
         chunk = max(1, self.options.max_batch_size)
         groups: dict[tuple[bool, int, Any], list[int]] = {}
         for i, (req, _) in enumerate(rows):
@@ -67,53 +149,62 @@ class DiffusersRollout:
         for (validate, train_step, seed), members in groups.items():
             for start in range(0, len(members), chunk):
                 part = members[start : start + chunk]
-                for i, res in zip(part, self._generate_rows([rows[i] for i in part], validate, train_step, seed)):
+                out = self._generate_rows([rows[i] for i in part], [idents[i] for i in part], validate, train_step, seed)
+                for i, res in zip(part, out):
                     by_row[i] = res
-        results = [by_row[i] for i in range(len(rows))]
-        return results
+        return [by_row[i] for i in range(len(rows))]
 
     async def agenerate(self, request: GenerationRequest) -> list[GenerationResult]:
         """``generate`` for one request, in a thread (the trainer batches concurrent calls itself)."""
         return await asyncio.to_thread(self.generate, [request])
 
-    def _generate_rows(self, rows: list[tuple[GenerationRequest, int]], validate: bool, train_step: int,
-                       seed: int | None) -> list[GenerationResult]:
+    def _generate_rows(self, rows: list[tuple[GenerationRequest, int]], idents: list[tuple[str, int]], validate: bool,
+                       train_step: int, seed: int | None) -> list[GenerationResult]:
         cfg = self.sampler
         base = seed if seed is not None else random.getrandbits(62)
+        rank = _rank()
         rng = random.Random(group_seed(base, f"plan:{train_step}"))  # same window on every rank
         plan = plan_steps(cfg, train_step, validate=validate, rng=rng)
-        row_rng = random.Random(group_seed(base, f"rows:{_rank()}:{rows[0][0].request_id}"))
+        first = _tag(*idents[0])  # the chunk's streams follow its first sample, not the chunk's position
+        row_rng = random.Random(group_seed(base, f"rows:{rank}:{first}"))
         if validate:
             trained: list[list[int]] = [[] for _ in rows]
         else:
             window = [i for i, s in enumerate(plan.sde) if s]
             count = len(plan.trained_indices)
-            trained = [sorted(row_rng.sample(window, count)) for _ in rows]
+            # all of the window: what sorted(sample(window, count)) gives, without drawing (nothing else uses row_rng)
+            trained = ([list(window) for _ in rows] if count == len(window)
+                       else [sorted(row_rng.sample(window, count)) for _ in rows])
         prompts = [str((r.multi_modal or {}).get("prompt", "")) for r, _ in rows]
         negatives = [str((r.multi_modal or {}).get("negative_prompt") or cfg.negative_prompt) for r, _ in rows]
         c, h, w = self.model.latent_shape(cfg.height, cfg.width)
         noise = []
-        seen: dict[str, int] = {}
-        for req, _ in rows:
-            gid = str(req.request_id or "")
-            k = seen.get(gid, 0)
-            seen[gid] = k + 1
-            key = f"group:{gid}" if cfg.dance_grpo.enable and not validate else f"row:{_rank()}:{gid}:{k}"
+        for gid, k in idents:
+            key = f"group:{gid}" if cfg.dance_grpo.enable and not validate else f"row:{rank}:{gid}:{k}"
             gen = torch.Generator().manual_seed(group_seed(base, key))
             noise.append(torch.randn(c, h, w, generator=gen))
         x = torch.stack(noise).to(self.device)
-        cond = self.model.encode(prompts)
+        cond = self.embed(prompts)
         scale = float(cfg.cfg_scale)
-        uncond = self.model.encode(negatives) if scale > 1.0 else None
-        sigmas = sigma_schedule(plan.num_steps, self.model.sigma_shift((h, w)))
+        uncond = self.embed(negatives) if scale > 1.0 else None
+        sigmas = self.model.sigma_schedule(plan.num_steps, (h, w))  # a diffusers folder: its scheduler's own
+
+        embedded = float(cfg.embedded_guidance)
 
         def velocity(lat: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-            return guided(self.model.velocity, lat, sigma, cond, uncond, scale, _concat)
+            return guided(lambda xx, ss, emb: self.model.velocity(xx, ss, emb, embedded), lat, sigma, cond, uncond,
+                          scale, _concat)
 
-        step_gen = torch.Generator(device=self.device).manual_seed(group_seed(base, f"steps:{_rank()}:{rows[0][0].request_id}"))
+        step_gen = torch.Generator(device=self.device).manual_seed(group_seed(base, f"steps:{rank}:{first}"))
         traj = sample_trajectory(velocity, x, sigmas, plan, trained, generator=step_gen)
         images = self.model.decode(traj.x0.to(self.device))
         train_cfg = scale if (cfg.train_cfg and uncond is not None) else 1.0
+        with_neg = train_cfg > 1.0 and uncond is not None
+        if not validate:  # one device-to-host copy per field; the rows below are views
+            embeds, pooled = cond.prompt_embeds.cpu(), cond.pooled.cpu()
+            neg_embeds = uncond.prompt_embeds.cpu() if with_neg and uncond is not None else None
+            neg_pooled = uncond.pooled.cpu() if with_neg and uncond is not None else None
+            ones = torch.ones(traj.log_probs.shape[1], dtype=torch.long)
         out = []
         for i, (req, k) in enumerate(rows):
             extra: dict[str, Any] = {
@@ -128,13 +219,13 @@ class DiffusersRollout:
                     "latents": traj.latents[i], "next_latents": traj.next_latents[i], "sigmas": traj.sigmas[i],
                     "next_sigmas": traj.next_sigmas[i], "noise_levels": traj.noise_levels[i],
                     "step_index": traj.step_index[i], "rollout_log_probs": traj.log_probs[i],
-                    "response_mask": torch.ones(traj.log_probs.shape[1], dtype=torch.long),
-                    "guidance_scale": float(train_cfg),
-                    "prompt_embeds": cond.prompt_embeds[i].cpu(), "pooled_prompt_embeds": cond.pooled[i].cpu(),
+                    "response_mask": ones, "guidance_scale": float(train_cfg), "train_step": int(train_step),
+                    "embedded_guidance": embedded,
+                    "prompt_embeds": embeds[i], "pooled_prompt_embeds": pooled[i],
                 })
-                if train_cfg > 1.0:
-                    extra["negative_prompt_embeds"] = uncond.prompt_embeds[i].cpu()
-                    extra["negative_pooled_prompt_embeds"] = uncond.pooled[i].cpu()
+                if neg_embeds is not None and neg_pooled is not None:
+                    extra["negative_prompt_embeds"] = neg_embeds[i]
+                    extra["negative_pooled_prompt_embeds"] = neg_pooled[i]
             out.append(GenerationResult(prompt_ids=[], response_ids=[], log_probs=[], finish_reason="stop",
                                         request_id=req.request_id, sample_index=k, extra=extra))
         return out

@@ -38,8 +38,12 @@ __all__ = [
     "sde_step",
     "sde_step_mean",
     "sigma_schedule",
+    "step_coefficients",
     "time_shift",
 ]
+
+
+_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 
 @dataclass
@@ -87,6 +91,22 @@ def sde_step_mean(x: torch.Tensor, v: torch.Tensor, sigma: Any, sigma_next: Any,
     return mean, std_dev_t.reshape(-1), std.reshape(-1)
 
 
+def step_coefficients(sigmas: torch.Tensor, noise_levels: Sequence[float]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(coef_x, coef_v, dt, std)`` ``[S]`` of the steps ``sigmas[k] -> sigmas[k + 1]`` at ``noise_levels[k]``,
+    so that :func:`sde_step_mean`'s mean is ``x * coef_x + v * coef_v * dt`` with transition std ``std``.
+
+    The same float32 operations in the same order as :func:`sde_step_mean` (elementwise, so a trajectory
+    sampled with these is bit-identical to one stepped with :func:`sde_step`), for all steps at once.
+    """
+    s, s_next = sigmas[:-1].float(), sigmas[1:].float()
+    a = torch.as_tensor(list(noise_levels), dtype=torch.float32)
+    std_dev_t, std = noise_std(s, s_next, a)
+    dt = s_next - s
+    g2 = std_dev_t**2
+    return 1 + g2 / (2 * s) * dt, 1 + g2 * (1 - s) / (2 * s), dt, std
+
+
 def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """``log N(x; mean, std^2)`` per element, averaged over every dim but the first: ``[B]``.
 
@@ -95,7 +115,7 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
     """
     s = _per_row(std, x).float()
     safe = torch.where(s > 0, s, torch.ones_like(s))
-    lp = -((x.float() - mean.float()) ** 2) / (2 * safe**2) - torch.log(safe) - 0.5 * math.log(2 * math.pi)
+    lp = -((x.float() - mean.float()) ** 2) / (2 * safe**2) - torch.log(safe) - _HALF_LOG_2PI
     lp = lp.flatten(1).mean(-1)
     return torch.where(s.reshape(-1) > 0, lp, torch.zeros_like(lp))
 
@@ -238,6 +258,9 @@ def check_sampler_config(cfg: Any) -> None:
         raise ConfigError(f"{key}.mix_grpo.enable and {key}.dance_grpo.enable: choose one variant")
     if cfg.cfg_scale < 1:
         raise ConfigError(f"{key}.cfg_scale={cfg.cfg_scale} must be >= 1 (1 disables classifier-free guidance)")
+    if not math.isfinite(float(cfg.embedded_guidance)) or cfg.embedded_guidance < 0:
+        raise ConfigError(f"{key}.embedded_guidance={cfg.embedded_guidance} must be a number >= 0 (FLUX.1-dev's "
+                          "recipe: 3.5)")
     sde_window(cfg, 0, random.Random(0))  # raises for a window outside the steps
 
 
@@ -301,11 +324,7 @@ def sample_trajectory(velocity_fn: Any, initial_noise: torch.Tensor, sigmas: tor
         raise ValueError("every row must keep the same number of trained steps")
     lat = torch.zeros(n, width, *x.shape[1:])
     nxt = torch.zeros_like(lat)
-    sig = torch.zeros(n, width)
-    sig_next = torch.zeros(n, width)
-    levels = torch.zeros(n, width)
     logps = torch.zeros(n, width)
-    index = torch.zeros(n, width, dtype=torch.long)
     # per step: the rows that train it and the slot each puts it in (one indexed copy per step, no row loop)
     where: dict[int, tuple[list[int], list[int]]] = {}
     for i, row in enumerate(keep):
@@ -313,15 +332,33 @@ def sample_trajectory(velocity_fn: Any, initial_noise: torch.Tensor, sigmas: tor
             rows_, slots_ = where.setdefault(st, ([], []))
             rows_.append(i)
             slots_.append(j)
+    # every row keeps the step in one slot (Flow-GRPO, a fixed window): a slice; else an indexed copy
+    index_of: dict[int, Any] = {
+        st: ((slice(None), j[0]) if r == list(range(n)) and len(set(j)) == 1 else (torch.tensor(r), torch.tensor(j)))
+        for st, (r, j) in where.items()}
+    step_levels = [plan.noise_levels[k] if plan.sde[k] else 0.0 for k in range(plan.num_steps)]
+    # every (row, slot) names one step: its sigmas and noise level are looked up once, not written per step
+    index = torch.tensor(keep, dtype=torch.long).reshape(n, width)
+    sigmas32 = sigmas.float().cpu()
+    sig, sig_next = sigmas32[index], sigmas32[index + 1]
+    levels = torch.tensor(step_levels, dtype=torch.float32)[index]
+    # per-step scalars shaped to broadcast against x: one indexing op each per step
+    shape = (plan.num_steps, *((1,) * x.dim()))
+    coef_x, coef_v, dts, stds = (c.to(x.device).reshape(shape) for c in step_coefficients(sigmas, step_levels))
+    safe = torch.where(stds > 0, stds, torch.ones_like(stds))
+    lp_den, lp_log, step_std = 2 * safe**2, torch.log(safe), stds.flatten().tolist()
     for step in range(plan.num_steps):
-        s, s_next = sigmas[step], sigmas[step + 1]
-        v = velocity_fn(x, s.expand(n).to(x.device)).float()
-        level = plan.noise_levels[step] if plan.sde[step] else 0.0
-        out = sde_step(x, v, s, s_next, level, generator=generator)
-        if step in where:
-            r, j = (torch.tensor(t) for t in where[step])
-            lat[r, j], nxt[r, j] = x[r].cpu(), out.prev_sample[r].cpu()
-            sig[r, j], sig_next[r, j], levels[r, j] = float(s), float(s_next), level
-            logps[r, j], index[r, j] = out.log_prob[r].cpu(), step
-        x = out.prev_sample
+        v = velocity_fn(x, sigmas[step].expand(n).to(x.device)).float()
+        # sde_step's draw, with the log-prob computed only where a row trains the step; every step draws its
+        # noise (ODE steps too, times 0), so a plan's SDE steps see the same stream whatever is trained
+        mean = x * coef_x[step] + v * coef_v[step] * dts[step]
+        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
+        prev = mean + stds[step] * noise
+        if step in index_of:
+            r, j = index_of[step]
+            lat[r, j], nxt[r, j] = x[r].cpu(), prev[r].cpu()
+            if step_std[step] > 0:  # gaussian_log_prob's operations, its per-row std a scalar here
+                lp = (-((prev[r] - mean[r]) ** 2) / lp_den[step] - lp_log[step] - _HALF_LOG_2PI).flatten(1).mean(-1)
+                logps[r, j] = lp.cpu()  # an ODE step (std 0) keeps log-prob 0, as gaussian_log_prob gives
+        x = prev
     return Trajectory(lat, nxt, sig, sig_next, levels, logps, index, x.cpu(), initial_noise.cpu())

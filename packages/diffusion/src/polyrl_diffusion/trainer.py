@@ -131,8 +131,15 @@ class FlowGRPOTrainer(PPOTrainer):
         return manager(tokenizer=None, compute_score=load_compute_score(cfg.reward), config=cfg.reward)
 
     def _next_rows(self) -> list[dict]:
-        # the training step rides on each row: MixGRPO's window moves with it
-        return [dict(row, _train_step=self.global_step) for row in super()._next_rows()]
+        # the training step rides on each row (MixGRPO's window moves with it), and a key that names the row
+        # in this step without the uid's random suffix: the rollout's noise follows it (reproducible runs);
+        # ``round`` counts the draws of one step (a group filter may draw again)
+        rows = super()._next_rows()
+        last_step, last_round = getattr(self, "_rows_draw", (None, -1))
+        draw = last_round + 1 if last_step == self.global_step else 0
+        self._rows_draw = (self.global_step, draw)
+        return [dict(row, _train_step=self.global_step, _sample_key=f"{self.global_step}.{draw}.{i}")
+                for i, row in enumerate(rows)]
 
     def balance_lengths(self, batch: TensorDict) -> list[int] | None:
         """Every image costs the same: no balancing needed."""

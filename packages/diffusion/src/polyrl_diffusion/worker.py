@@ -20,13 +20,29 @@ def collate_images(outputs: list[Any]) -> TensorDict:
     keys = sorted({k for o in outputs for k in o.extra})
     for key in keys:
         values = [o.extra.get(key) for o in outputs]
-        if all(isinstance(v, torch.Tensor) for v in values) and len({tuple(v.shape) for v in values}) == 1:
-            batch[key] = torch.stack(values)
+        first = values[0]
+        if isinstance(first, torch.Tensor) and all(isinstance(v, torch.Tensor) and v.shape == first.shape for v in values):
+            rows = _consecutive_rows(values)
+            batch[key] = rows if rows is not None else torch.stack(values)
         elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             batch[key] = torch.tensor([float(v) for v in values])
         else:
             set_non_tensor(batch, key, values)
     return batch
+
+
+def _consecutive_rows(values: list[torch.Tensor]) -> torch.Tensor | None:
+    """``values`` as one ``[B, ...]`` view when they are the consecutive rows of one contiguous tensor (what the
+    ``diffusers`` rollout hands out: rows of its per-chunk trajectory), so collating copies nothing; else None."""
+    first = values[0]
+    if not first.is_contiguous() or first.numel() == 0:
+        return None
+    step, ptr, offset = first.numel(), first.untyped_storage().data_ptr(), first.storage_offset()
+    for i, v in enumerate(values):
+        if (v.untyped_storage().data_ptr() != ptr or v.storage_offset() != offset + i * step or v.dtype != first.dtype
+                or not v.is_contiguous()):
+            return None
+    return first.as_strided((len(values), *first.shape), (step, *first.stride()), offset)
 
 
 class FlowGRPOWorker(Worker):
@@ -38,6 +54,21 @@ class FlowGRPOWorker(Worker):
     def load_tokenizer(self) -> Any:
         """None: prompts travel as text and the rollout's pipeline encodes them."""
         return None
+
+    def generate(self, samples: list[dict], sampling: Any, *, validate: bool = False) -> TensorDict | None:
+        """The core's generation, each sample named for its random streams first: ``_sample_key`` (the trainer's
+        ``step.round.row``, else the row's ``uid``) and ``_repeat``, its index among this rank's repeats of the
+        row. The rollout keys its noise by them with the step's seed and the rank, so a run is reproducible
+        from ``trainer.seed`` (the uids carry a random suffix) and repeats never share noise, however the
+        rank's samples are cut into generation calls."""
+        seen: dict[str, int] = {}
+        named = []
+        for sample in samples:
+            key = str(sample.get("_sample_key") or sample.get("uid", ""))
+            k = seen.get(key, 0)
+            seen[key] = k + 1
+            named.append(dict(sample, _sample_key=key, _repeat=k))
+        return super().generate(named, sampling, validate=validate)
 
     def collate_outputs(self, outputs: list[Any]) -> TensorDict:
         """See :func:`collate_images`."""

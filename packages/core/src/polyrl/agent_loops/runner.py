@@ -104,12 +104,18 @@ def run_agent_loops(samples: Sequence[Mapping[str, Any]], sampling_params: Sampl
         if name not in loops:
             raise KeyError(f"unknown agent loop '{name}' (row uid {s.get('uid')}); registered: {', '.join(sorted(loops))}")
 
-    async def main() -> list[AgentLoopOutput]:
-        return await asyncio.gather(
-            *[loops[s.get("agent_name") or default].run(s, sampling_params, client) for s in samples]
-        )
+    outputs: list[AgentLoopOutput] = []
 
-    return asyncio.run(main())
+    async def main() -> None:
+        outputs.extend(await asyncio.gather(
+            *[loops[s.get("agent_name") or default].run(s, sampling_params, client) for s in samples]
+        ))
+
+    # The task returns None, not the outputs: on the main thread asyncio.run's SIGINT bookkeeping
+    # (signal.getsignal -> enum lookup of a partial holding the finished task) builds the task's repr, result
+    # included; with tensors in the outputs (image rollouts) that repr cost 0.3 s per call.
+    asyncio.run(main())
+    return outputs
 
 
 #: Per-sample agent statistics collated into ``[B]`` tensor fields (0 for loops that do not report them).

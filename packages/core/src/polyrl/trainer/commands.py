@@ -44,7 +44,6 @@ def train(manifest: str | Path | Manifest | None = None, configs: Sequence[str |
     """``polyrl train``: RL post-training (PPO / GRPO and family). Returns the final metrics."""
     from polyrl.config.loader import load_config
     from polyrl.config.schema import PolyrlConfig
-    from polyrl.trainer.ppo import PPOTrainer
 
     manifest, pm = _plugins(manifest)
     config = load_config(PolyrlConfig, configs, overrides, base=base, plugins=pm)
@@ -55,17 +54,22 @@ def train(manifest: str | Path | Manifest | None = None, configs: Sequence[str |
     needs_critic = config.algorithm.adv_estimator == "gae" or estimator.metadata.get("needs_values")
     sections = ["actor", "rollout"] + (["critic"] if needs_critic else [])
     _check_names(config, pm, sections)
+    return _trainer_factory(config, pm)(config, manifest=manifest, plugins=pm).fit()
+
+
+def _trainer_factory(config: Any, pm: Any) -> Any:
+    """The trainer class ``trainer.name`` names (``ppo``: the core's); a ConfigError naming the key otherwise."""
+    from polyrl.trainer.ppo import PPOTrainer
+
     trainer_name = config.trainer.name
     if trainer_name in pm.registry("trainer"):
-        factory = pm.get("trainer", trainer_name)
-    elif trainer_name == "ppo":
-        factory = PPOTrainer
-    else:
-        known = sorted({"ppo", *pm.registry("trainer").names()})
-        raise ConfigError(f"config key 'trainer.name': no loaded plugin registers trainer {trainer_name!r} "
-                          f"(registered: {', '.join(known)}). Install the plugin that provides it and list it in the "
-                          "manifest, or use trainer.name=ppo")
-    return factory(config, manifest=manifest, plugins=pm).fit()
+        return pm.get("trainer", trainer_name)
+    if trainer_name == "ppo":
+        return PPOTrainer
+    known = sorted({"ppo", *pm.registry("trainer").names()})
+    raise ConfigError(f"config key 'trainer.name': no loaded plugin registers trainer {trainer_name!r} "
+                      f"(registered: {', '.join(known)}). Install the plugin that provides it and list it in the "
+                      "manifest, or use trainer.name=ppo")
 
 
 def sft(manifest: str | Path | Manifest | None = None, configs: Sequence[str | Path] = (),
@@ -88,7 +92,9 @@ def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manife
     The folder is what ``save_pretrained`` writes (config, generation config, safetensors sharded with an index
     above the engine's shard size, tokenizer). ``overrides`` change the run's config for the export, e.g. the
     fsdp engine's ``actor.fsdp.lora_export=adapter`` (a peft adapter folder instead of merged weights) or
-    ``actor.fsdp.export_max_shard_size=2GB``.
+    ``actor.fsdp.export_max_shard_size=2GB``. The actor is built by the run's trainer's worker class
+    (``trainer.name``'s ``worker_cls``, e.g. polyrl-diffusion's image worker), so a plugin trainer's checkpoint
+    exports in its own format (a diffusion run writes a diffusers pipeline folder).
     """
     from polyrl.config.loader import load_config
     from polyrl.config.schema import PolyrlConfig
@@ -106,8 +112,9 @@ def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manife
     manifest, pm = _plugins(manifest)
     config = load_config(PolyrlConfig, [config_file], overrides, plugins=pm)
     config.trainer.run_dir = str(run_dir)
+    worker_cls = getattr(_trainer_factory(config, pm), "worker_cls", None)
     started = open_role_group(config, roles=["actor"], manifest=manifest, name="export", run_dir=run_dir,
-                              role_kind="sft")
+                              role_kind="sft", worker_cls=worker_cls)
     try:
         started.group.call_all("load_checkpoint", str(ckpt))
         started.group.call_all("export_hf", str(Path(to).resolve()))

@@ -39,10 +39,15 @@ class RewardManagerConformance:
     """Provide ``reward_manager`` and ``reward_batch`` (a collated batch with ``data_source``,
     ``ground_truth`` and ``extra_info`` non-tensor fields)."""
 
+    #: ``False`` for a manager whose batch has no ``responses`` tokens (the image manager: one score per image,
+    #: on its trained steps); the scores then take the shape of ``response_mask``.
+    token_model = True
+
     def test_scores_shape_and_position(self, reward_manager, reward_batch):
         out = reward_manager(reward_batch)
         assert isinstance(out, RewardOutput)
-        assert out.token_level_scores.shape == reward_batch["responses"].shape
+        shaped_like = reward_batch["responses"] if self.token_model else reward_batch["response_mask"]
+        assert out.token_level_scores.shape == shaped_like.shape
         mask = reward_batch["response_mask"]
         assert torch.all(out.token_level_scores[mask == 0] == 0)
         assert torch.isfinite(out.token_level_scores).all()
