@@ -460,6 +460,7 @@ def make_tiny_diffusers_pipeline(path: str | Path, *, family: str = "sd3", sampl
     with a guidance embedding, as guidance-distilled checkpoints (FLUX.1-dev) have. Needs transformers 5
     (tokenizers built from a vocabulary in memory).
     """
+    import transformers
     from diffusers import (
         AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
@@ -470,6 +471,10 @@ def make_tiny_diffusers_pipeline(path: str | Path, *, family: str = "sd3", sampl
     )
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise RuntimeError(f"make_tiny_diffusers_pipeline needs transformers>=5 (its tokenizers are built from an "
+                           f"in-memory vocabulary); this environment has {transformers.__version__}: "
+                           "pip install -U 'transformers>=5'")
     if family not in ("sd3", "flux"):
         raise ValueError(f"family={family!r}: choose 'sd3' or 'flux'")
     out = Path(path)
