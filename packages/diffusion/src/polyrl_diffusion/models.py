@@ -259,11 +259,6 @@ class FlowModel:
         """The transformer's velocity (see :func:`transformer_velocity`)."""
         return transformer_velocity(self.transformer, self.family, latents, sigma, embeds, guidance)
 
-    @property
-    def guidance_embedded(self) -> bool:
-        """Whether the transformer takes a guidance value in an embedding (guidance-distilled FLUX)."""
-        return bool(getattr(self.transformer.config, "guidance_embeds", False))
-
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Images ``uint8 [N, 3, H, W]`` from latents (identity latent space for the tiny pipelines)."""
@@ -307,21 +302,6 @@ class FlowModel:
             kwargs["sigmas"] = np.linspace(1.0, 1 / num_steps, num_steps)
         sched.set_timesteps(num_steps, device="cpu", **kwargs)
         return sched.sigmas.detach().float().cpu()
-
-    def sigma_shift(self, latent_hw: tuple[int, int]) -> float:
-        """The schedule's shift (SD3's static ``shift``; FLUX's dynamic one from the image size). Sampling uses
-        :meth:`sigma_schedule`, which for a diffusers folder is its scheduler's exact schedule."""
-        if self.pipeline is None:
-            return self.shift
-        sched = self.pipeline.scheduler.config
-        if not getattr(sched, "use_dynamic_shifting", False):
-            return self.shift
-        import math
-
-        seq = (latent_hw[0] // 2) * (latent_hw[1] // 2)
-        lo, hi = sched.base_image_seq_len, sched.max_image_seq_len
-        mu = sched.base_shift + (sched.max_shift - sched.base_shift) * (seq - lo) / (hi - lo)
-        return math.exp(mu)  # exp(mu) s / (1 + (exp(mu) - 1) s) is FLUX's exponential time shift
 
 
 def load_flow_model(path: str | Path, *, key: str = "actor.model.path", device: Any = "cpu",
