@@ -29,3 +29,7 @@ class DataError(PolyrlError, ValueError):
 
 class CheckpointError(PolyrlError, ValueError):
     """A checkpoint that is missing, partial, or from another model or world size."""
+
+
+class RewardError(PolyrlError, RuntimeError):
+    """A run whose rewards failed for every sample ``reward.max_failed_steps`` steps in a row."""

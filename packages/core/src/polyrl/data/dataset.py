@@ -6,6 +6,7 @@ import logging
 import random
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,50 @@ def validate_row(row: Any, source: str, i: int) -> None:
         raise DataError(f"{where}: 'reward_model' must be a mapping with 'ground_truth'")
 
 
+@dataclass(frozen=True)
+class RowColumns:
+    """Where a row keeps its prompt, data source and ground truth (``data.prompt_key``, ``data.reward_fn_key``,
+    ``data.ground_truth_key``); rows are rewritten into verl's names (``prompt``, ``data_source``,
+    ``reward_model.ground_truth``) when they are read."""
+
+    prompt: str = "prompt"
+    data_source: str = "data_source"
+    ground_truth: str = "reward_model.ground_truth"
+
+    @classmethod
+    def from_config(cls, data: Any) -> RowColumns:
+        """The columns a ``data`` config block names."""
+        return cls(getattr(data, "prompt_key", "prompt"), getattr(data, "reward_fn_key", "data_source"),
+                   getattr(data, "ground_truth_key", "reward_model.ground_truth"))
+
+    def normalize(self, row: Any, source: str, i: int) -> Any:
+        """``row`` with its columns under verl's names (unchanged when the defaults are used)."""
+        if not isinstance(row, dict) or self == RowColumns():
+            return row
+        row = dict(row)
+        if self.prompt != "prompt":
+            if self.prompt not in row:
+                raise DataError(f"{source} row {i}: missing column '{self.prompt}' (data.prompt_key); the row has "
+                                f"{sorted(row)}")
+            row["prompt"] = row[self.prompt]
+        if self.data_source != "data_source":
+            row["data_source"] = row.get(self.data_source)
+        if self.ground_truth != "reward_model.ground_truth":
+            truth = dotted_get(row, self.ground_truth)
+            row["reward_model"] = {**(row.get("reward_model") or {}), "ground_truth": truth}
+        return row
+
+
+def dotted_get(row: Any, key: str, default: Any = None) -> Any:
+    """``row["a"]["b"]`` for ``key`` ``a.b`` (``default`` where a part is missing)."""
+    node = row
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
 class RLDataset:
     """Prompts ready for generation: rows plus ``prompt_ids`` after the chat template.
 
@@ -64,15 +109,18 @@ class RLDataset:
     """
 
     def __init__(self, files: Sequence[str | Path], tokenizer: Any, *, max_prompt_length: int,
-                 truncation: str = "error", chat_template: bool = True) -> None:
+                 truncation: str = "error", chat_template: bool = True, columns: RowColumns | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
         if truncation not in ("error", "left", "right", "filter"):
             raise DataError(f"data.truncation={truncation!r}: choose error, left, right or filter")
         self.rows: list[dict] = []
         self.stats = {"rows": 0, "filtered": 0, "truncated": 0}
+        columns = columns or RowColumns()
         for file in files:
             for i, row in enumerate(load_rows(file)):
+                row = columns.normalize(row, str(file), i)
                 validate_row(row, str(file), i)
-                ids = _prompt_ids(row["prompt"], tokenizer, chat_template)
+                ids = _prompt_ids(row["prompt"], tokenizer, chat_template, chat_template_kwargs)
                 self.stats["rows"] += 1
                 if len(ids) > max_prompt_length:
                     if truncation == "error":
@@ -97,11 +145,11 @@ class RLDataset:
         return self.rows[i]
 
 
-def _prompt_ids(prompt: Any, tokenizer: Any, chat_template: bool) -> list[int]:
+def _prompt_ids(prompt: Any, tokenizer: Any, chat_template: bool, kwargs: dict[str, Any] | None = None) -> list[int]:
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     if chat_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, **(kwargs or {}))
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
