@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 import types
 import typing
@@ -175,7 +176,7 @@ def build(schema: type, data: Mapping, origins: Mapping[str, str], prefix: str =
     """Validate ``data`` against the dataclass ``schema`` and return an instance."""
     check_keys(schema, data, origins, prefix)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), data)
+        merged = OmegaConf.merge(_structured(schema), data)
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = f"{prefix}{exc.full_key}" if getattr(exc, "full_key", None) else prefix.rstrip(".")
@@ -197,6 +198,12 @@ class LoadedConfig:
     format: str
     #: Warnings for the user (verl keys set here that have no effect in polyrl).
     warnings: list[str]
+
+
+@functools.lru_cache(maxsize=None)
+def _structured(schema: type) -> Any:
+    """The schema's OmegaConf structured config, built once per schema (``OmegaConf.merge`` copies it)."""
+    return OmegaConf.structured(schema)
 
 
 def load_config(
@@ -304,13 +311,15 @@ def _check_deletions(schema: type, overrides: Sequence[str]) -> None:
 def _schema_has(schema: type, key: str) -> bool:
     """Whether dotted ``key`` names a field of ``schema`` (or lies in a free mapping or a plugin's block)."""
     cls: Any = schema
-    for part in key.split("."):
+    parts = key.split(".")
+    for i, part in enumerate(parts):
         sub = _dataclass_of(cls)
         if sub is None or _is_free_mapping(cls):
             return True
         hints = typing.get_type_hints(sub)
         if part not in hints:
-            return "plugin_config" in hints  # a plugin's block (actor.fsdp...), checked by its own schema
+            # a key inside a plugin's block (actor.fsdp.param_offload), which the plugin's own schema checks
+            return "plugin_config" in hints and i < len(parts) - 1
         cls = hints[part]
     return True
 

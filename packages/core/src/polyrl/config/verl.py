@@ -12,7 +12,9 @@ ordinary polyrl config dict, validated by the native loader like any other.
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from importlib import resources
@@ -57,9 +59,14 @@ GROUPS: dict[tuple[str, str], tuple[str, str]] = {
 
 
 def shipped_tree(name: str) -> dict:
-    """verl's composed ``name`` tree as polyrl ships it (interpolations unresolved)."""
+    """verl's composed ``name`` tree as polyrl ships it (interpolations unresolved); a fresh copy."""
+    return copy.deepcopy(_shipped(name))
+
+
+@functools.lru_cache(maxsize=None)
+def _shipped(name: str) -> dict:
     text = resources.files("polyrl.config").joinpath("verl_defaults", f"{name}.yaml").read_text()
-    return yaml.safe_load(text)
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
@@ -116,17 +123,21 @@ class _Tree:
         self.trainer: str | None = None
 
     def merge(self, data: Mapping, origin: str | Mapping[str, str], *, known: bool = False) -> None:
-        for key in flatten(data):
-            self._drop_under(key)
+        new = list(flatten(data))
+        self._drop_under(new)
         _merge(self.data, data)
-        for key in flatten(data):
+        for key in new:
             self.origins[key] = origin if isinstance(origin, str) else origin.get(key, "")
             if known:
                 self.known.add(key)
 
-    def _drop_under(self, key: str) -> None:
-        # a leaf replacing a subtree (or the other way round) takes the old keys' origins with it
-        for old in [k for k in self.origins if k.startswith(key + ".") or key.startswith(k + ".")]:
+    def _drop_under(self, keys: Sequence[str]) -> None:
+        """A leaf replacing a subtree (or the other way round) takes the old keys' origins with it."""
+        if not self.origins:
+            return
+        leaves = set(keys)
+        inner = {p for k in keys for p in _parents(k)}
+        for old in [k for k in self.origins if k in inner or any(p in leaves for p in _parents(k))]:
             del self.origins[old]
 
 
@@ -237,6 +248,11 @@ def _merge_placed(tree: _Tree, sub: _Tree, target: str) -> None:
 
 
 def _did_you_mean(key: str, names: Sequence[str]) -> str:
+    """The closest of verl's key names: one that ends with ``key`` (a prefix left out), a sibling with a close
+    name, or a close full name."""
+    tails = [n for n in names if n.endswith("." + key)]
+    if tails:
+        return f" Did you mean '{min(tails, key=len)}'?"
     parent, _, leaf = key.rpartition(".")
     siblings = [n.rpartition(".")[2] for n in names if n.rpartition(".")[0] == parent]
     close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
@@ -286,14 +302,25 @@ def _compose_one(path: Path, search: Sequence[Path]) -> _Tree:
 
 
 def _apply(tree: _Tree, override: Override) -> None:
-    flat = flatten(tree.data)
-    exists = override.key in flat or any(k.startswith(override.key + ".") for k in flat)
-    if override.op == "set" and not exists:
-        hint = _did_you_mean(override.key, sorted(tree.known or flat))
+    top = override.key.split(".")[0]
+    if top in NATIVE_ONLY and top not in tree.data:
+        check_layout({top: f"command line '{override.text}'"})
+    node: Any = tree.data
+    exists, free = True, False
+    for part in override.key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            exists = False
+            # a key under a free-form block (engine_kwargs.sglang: {}) needs no +
+            free = isinstance(node, Mapping) and not node
+            break
+        node = node[part]
+    free = free or getattr(table.classify(override.key), "open", False)
+    if override.op == "set" and not exists and not free:
+        hint = _did_you_mean(override.key, sorted(tree.known or flatten(tree.data)))
         raise ConfigError(f"unknown verl key '{override.key}' (from command line '{override.text}').{hint} "
                           f"A key verl's tree does not have needs +{override.key}=...")
     apply_override(tree.data, override)
-    tree._drop_under(override.key)
+    tree._drop_under([override.key])
     if override.op != "delete":
         for key in flatten({override.key: override.value} if not isinstance(override.value, Mapping)
                            else _place(override.value, override.key)):
@@ -342,7 +369,7 @@ def to_native(files: Sequence[str | Path] = (), overrides: Sequence[str] = (), *
                 if parent in known:
                     known.add(key)
     view = table.VerlView(values, origins)
-    defaults = _defaults_for(known, tree)
+    defaults = _verl_defaults()
     warnings = _check_keys(view, known, defaults)
     native, native_origins = _map(view)
     return unflatten(native), native_origins, warnings
@@ -360,11 +387,12 @@ def _first_origin(origins: Mapping[str, str], key: str) -> str:
     return "the config"
 
 
-def _defaults_for(known: set[str], tree: Mapping) -> dict[str, Any]:
+@functools.lru_cache(maxsize=1)
+def _verl_defaults() -> dict[str, Any]:
     """verl's default value of every key of the shipped trees (the first tree that has it)."""
     out: dict[str, Any] = {}
     for name in TRAINER_CONFIGS:
-        for key, value in flatten(shipped_tree(name)).items():
+        for key, value in flatten(_shipped(name)).items():
             out.setdefault(key, value)
     return out
 
@@ -372,6 +400,8 @@ def _defaults_for(known: set[str], tree: Mapping) -> dict[str, Any]:
 def _check_keys(view: table.VerlView, known: set[str], defaults: Mapping[str, Any]) -> list[str]:
     """Unknown keys and refused values raise; returns a warning for ignored keys the user changed."""
     changed: list[str] = []
+    refused: list[tuple[str, Any, str, str]] = []
+    missing: list[str] = []
     names = sorted(defaults)
     for key, value in view.values.items():
         entry = table.classify(key)
@@ -382,13 +412,20 @@ def _check_keys(view: table.VerlView, known: set[str], defaults: Mapping[str, An
                               "trainer config has no such key and polyrl does not know it")
         assert entry is not None
         if value == "???" and isinstance(entry, table.Mapped):
-            hint = " (vllm, sglang or hf)" if key == f"{table.ROLLOUT}.name" else ""
-            raise ConfigError(f"verl key '{key}' has no value (verl requires it): set {key}=...{hint}")
+            missing.append(key)
         if isinstance(entry, table.Refused) and not entry.accepts(value, defaults.get(key)):
-            raise ConfigError(f"verl key '{key}'={value!r} (from {origin}) is not supported by polyrl: "
-                              f"{entry.instead}")
+            refused.append((key, value, origin, entry.instead))
         if isinstance(entry, table.Ignored) and from_user and value != defaults.get(key, None):
             changed.append(key)
+    if refused:
+        key, value, origin, instead = refused[0]
+        more = f" (also refused here: {', '.join(k for k, *_ in refused[1:])})" if len(refused) > 1 else ""
+        raise ConfigError(f"verl key '{key}'={value!r} (from {origin}) is not supported by polyrl: {instead}{more}. "
+                          "docs/from_verl.md lists what each verl key becomes")
+    if missing:
+        key = missing[0]
+        hint = " (vllm, sglang or hf)" if key == f"{table.ROLLOUT}.name" else ""
+        raise ConfigError(f"verl key '{key}' has no value (verl requires it): set {key}=...{hint}")
     if not changed:
         return []
     shown = ", ".join(changed[:8]) + (f" (and {len(changed) - 8} more)" if len(changed) > 8 else "")

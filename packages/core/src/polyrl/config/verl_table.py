@@ -19,6 +19,7 @@ a test checks that every key of verl's ``ppo_trainer`` and ``ppo_megatron_traine
 from __future__ import annotations
 
 import fnmatch
+import functools
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -290,11 +291,15 @@ def _temperature(value: Any, view: VerlView) -> dict[str, Any]:
     return {"rollout.temperature": float(value) if sample else 0.0}
 
 
-def _rollout_opt(vllm: str | None, sglang: str | None, fn: Callable[[Any], Any] = lambda v: v) -> Converter:
-    """A rollout engine option: set on the block of the rollout in use (``rollout.vllm`` / ``rollout.sglang``)."""
+def _rollout_opt(vllm: str | None, sglang: str | None, fn: Callable[[Any], Any] = lambda v: v, *,
+                 hf: str | None = None) -> Converter:
+    """A rollout engine option: set on the block of the rollout in use (``rollout.vllm`` / ``rollout.sglang``), or
+    for the ``hf`` rollout on the ``rollout`` block itself."""
 
     def convert(value: Any, view: VerlView) -> dict[str, Any]:
         name = str(view.get(f"{ROLLOUT}.name"))
+        if name == "hf":
+            return {f"rollout.{hf}": fn(value)} if hf else {}
         target = {"vllm": vllm, "sglang": sglang}.get(name)
         if target is None:
             return {}
@@ -369,11 +374,7 @@ def _agent_loop(value: Any, view: VerlView) -> dict[str, Any]:
 
 
 def _reward_manager(value: Any, view: VerlView) -> dict[str, Any]:
-    name = str(value)
-    if name == "prime":
-        raise ConfigError("verl reward manager 'prime': use polyrl's 'batch' manager (one call for the batch) with "
-                          "your reward function")
-    return {"reward.manager": name}
+    return {"reward.manager": str(value)}
 
 
 def _reward_kwargs(value: Any, view: VerlView) -> dict[str, Any]:
@@ -423,36 +424,30 @@ _RM = ("used only when reward_model.enable=True (a model-based reward), which th
 
 
 def _role_entries(prefix: str, section: str, *, ref: bool = False, critic: bool = False) -> list[Entry]:
-    """Keys every training role shares: engine blocks, optimizer, profiler..."""
+    """Keys every training role shares: engine blocks, optimizer, profiler... (verl keeps the critic's FSDP block
+    under ``critic.model.fsdp_config``)."""
+    fsdp = f"{prefix}.model.fsdp_config" if critic else f"{prefix}.fsdp_config"
     out: list[Entry] = [
         Ignored(f"{prefix}.profiler.*", _PROFILE, open=True),
-        Ignored(f"{prefix}.checkpoint.*", "polyrl checkpoints hold model, optimizer and trainer state every time; "
-                "`polyrl export` writes an HF folder"),
         Ignored(f"{prefix}.rollout_n", "a copy of actor_rollout_ref.rollout.n"),
-        Ignored(f"{prefix}.use_torch_compile", _PERF),
-        Ignored(f"{prefix}.entropy_from_logits_with_chunking", _PERF),
-        Ignored(f"{prefix}.entropy_checkpointing", _PERF),
         Ignored(f"{prefix}.ulysses_sequence_parallel_size", "Ulysses sequence parallelism: polyrl's engines keep "
                 "whole sequences per device (bound memory with use_dynamic_bsz / ppo_max_token_len_per_gpu)"),
         Ignored(f"{prefix}.load_weight", "polyrl always loads the weights from the model path"),
-        Ignored(f"{prefix}.nccl_timeout", "polyrl's process groups use torch's default timeout"),
-        Ignored(f"{prefix}.router_replay.*", "MoE router replay; no effect unless mode is set, refused then"),
-        Refused(f"{prefix}.router_replay.mode", "drop it: polyrl does not replay MoE routing", allowed=("disabled",)),
-        Ignored(f"{prefix}.fsdp_config.*", _PERF),
-        Ignored(f"{prefix}.fsdp_config._target_", "verl's dataclass name"),
-        Mapped(f"{prefix}.fsdp_config.param_offload", f"{section}.fsdp.param_offload",
+        Ignored(f"{fsdp}.*", _PERF),
+        Ignored(f"{fsdp}._target_", "verl's dataclass name"),
+        Mapped(f"{fsdp}.param_offload", f"{section}.fsdp.param_offload",
                _plugin(prefix, section, "fsdp", "param_offload")),
-        Mapped(f"{prefix}.fsdp_config.reshard_after_forward", f"{section}.fsdp.reshard_after_forward",
+        Mapped(f"{fsdp}.reshard_after_forward", f"{section}.fsdp.reshard_after_forward",
                _plugin(prefix, section, "fsdp", "reshard_after_forward")),
-        Mapped(f"{prefix}.fsdp_config.fsdp_size", f"{section}.fsdp.fsdp_size", _plugin(prefix, section, "fsdp", "fsdp_size")),
-        Mapped(f"{prefix}.fsdp_config.dtype", f"{section}.fsdp.param_dtype",
-               _plugin(prefix, section, "fsdp", "param_dtype", lambda v: _dtype(v, f"{prefix}.fsdp_config.dtype")),
+        Mapped(f"{fsdp}.fsdp_size", f"{section}.fsdp.fsdp_size", _plugin(prefix, section, "fsdp", "fsdp_size")),
+        Mapped(f"{fsdp}.dtype", f"{section}.fsdp.param_dtype",
+               _plugin(prefix, section, "fsdp", "param_dtype", lambda v: _dtype(v, f"{fsdp}.dtype")),
                note="the compute dtype of FSDP's mixed precision (verl: bfloat16)"),
-        Mapped(f"{prefix}.fsdp_config.mixed_precision.param_dtype", f"{section}.fsdp.param_dtype",
+        Mapped(f"{fsdp}.mixed_precision.param_dtype", f"{section}.fsdp.param_dtype",
                _plugin(prefix, section, "fsdp", "param_dtype", lambda v: _dtype(v, "mixed_precision.param_dtype"))),
-        Mapped(f"{prefix}.fsdp_config.mixed_precision.reduce_dtype", f"{section}.fsdp.reduce_dtype",
+        Mapped(f"{fsdp}.mixed_precision.reduce_dtype", f"{section}.fsdp.reduce_dtype",
                _plugin(prefix, section, "fsdp", "reduce_dtype", lambda v: _dtype(v, "mixed_precision.reduce_dtype"))),
-        Ignored(f"{prefix}.fsdp_config.mixed_precision.buffer_dtype", "buffers stay in the model's dtype"),
+        Ignored(f"{fsdp}.mixed_precision.buffer_dtype", "buffers stay in the model's dtype"),
         Ignored(f"{prefix}.megatron.*", "megatron-core tuning polyrl's megatron engine does not expose (offloading, "
                 "dist checkpoints, expert / context parallelism, recompute, fusions); results are the same"),
         Ignored(f"{prefix}.megatron._target_", "verl's dataclass name"),
@@ -469,25 +464,43 @@ def _role_entries(prefix: str, section: str, *, ref: bool = False, critic: bool 
         Mapped(f"{prefix}.megatron.dtype", f"{section}.megatron.param_dtype",
                _plugin(prefix, section, "megatron", "param_dtype", lambda v: _dtype(v, f"{prefix}.megatron.dtype"))),
     ]
+    if critic:
+        out += [Ignored(f"{prefix}.nccl_timeout", "polyrl's process groups use torch's default timeout"),
+                Ignored(f"{prefix}.checkpoint.*", "polyrl checkpoints hold model, optimizer and trainer state every "
+                        "time; `polyrl export` writes an HF folder")]
+    else:
+        out += [
+            Ignored(f"{prefix}.use_torch_compile", _PERF),
+            Ignored(f"{prefix}.entropy_from_logits_with_chunking", _PERF),
+            Ignored(f"{prefix}.entropy_checkpointing", _PERF),
+            Ignored(f"{prefix}.router_replay.*", "MoE router replay; no effect unless mode is set, refused then"),
+            Refused(f"{prefix}.router_replay.mode", "drop it: polyrl does not replay MoE routing", allowed=("disabled",)),
+        ]
+    if not ref:
+        out.append(Ignored(f"{prefix}.data_loader_seed", "polyrl shuffles mini-batches with the role's seed"))
+    if not ref and not critic:
+        out.append(Ignored(f"{prefix}.checkpoint.*", "polyrl checkpoints hold model, optimizer and trainer state "
+                           "every time; `polyrl export` writes an HF folder"))
     if not ref:
         out += [
             Mapped(f"{prefix}.megatron.use_distributed_optimizer", f"{section}.megatron.use_distributed_optimizer",
                    _plugin(prefix, section, "megatron", "use_distributed_optimizer")),
-            Mapped(f"{prefix}.fsdp_config.optimizer_offload", f"{section}.fsdp.optimizer_offload",
+            Mapped(f"{fsdp}.optimizer_offload", f"{section}.fsdp.optimizer_offload",
                    _plugin(prefix, section, "fsdp", "optimizer_offload")),
             Mapped(f"{prefix}.strategy", f"{section}.engine", lambda v, view: {f"{section}.engine": _engine(v, f"{prefix}.strategy")},
                    note="fsdp and fsdp2 -> fsdp; megatron -> megatron"),
-            Mapped(f"{prefix}.fsdp_config.seed", f"{section}.seed",
+            Mapped(f"{fsdp}.seed", f"{section}.seed",
                    lambda v, view: {f"{section}.seed": int(v)} if view.engine(prefix) == "fsdp" else {}),
             Mapped(f"{prefix}.megatron.seed", f"{section}.seed",
                    lambda v, view: {f"{section}.seed": int(v)} if view.engine(prefix) == "megatron" else {}),
-            Mapped(f"{prefix}.fsdp_config.model_dtype", f"{section}.model.dtype",
-                   lambda v, view: {f"{section}.model.dtype": _dtype(v, f"{prefix}.fsdp_config.model_dtype")}
+            Mapped(f"{fsdp}.model_dtype", f"{section}.model.dtype",
+                   lambda v, view: {f"{section}.model.dtype": _dtype(v, f"{fsdp}.model_dtype")}
                    if view.engine(prefix) == "fsdp" else {}, note="storage dtype of the trained weights"),
             # the optimizer
             Ignored(f"{prefix}.optim.*", "megatron optimizer-scheduler details polyrl's schedule does not have"),
             Ignored(f"{prefix}.optim._target_", "verl's dataclass name"),
-            Refused(f"{prefix}.optim.optimizer", "polyrl trains with AdamW", allowed=("AdamW", "adamw")),
+            Refused(f"{prefix}.optim.optimizer", "polyrl trains with AdamW", allowed=("AdamW", "adam"),
+                    allowed_text="`AdamW`, `adam` (megatron's name for AdamW)"),
             Ignored(f"{prefix}.optim.optimizer_impl", "polyrl uses torch.optim.AdamW"),
             Mapped(f"{prefix}.optim.lr", f"{section}.optim.lr"),
             Mapped(f"{prefix}.optim.weight_decay", f"{section}.optim.weight_decay"),
@@ -497,7 +510,8 @@ def _role_entries(prefix: str, section: str, *, ref: bool = False, critic: bool 
             Mapped(f"{prefix}.optim.lr_warmup_steps_ratio", f"{section}.optim.lr_warmup_steps_ratio"),
             Mapped(f"{prefix}.optim.min_lr_ratio", f"{section}.optim.min_lr_ratio",
                    _to(f"{section}.optim.min_lr_ratio", _none_to(0.0))),
-            Mapped(f"{prefix}.optim.num_cycles", f"{section}.optim.num_cycles"),
+            Mapped(f"{prefix}.optim.num_cycles", f"{section}.optim.num_cycles", placeholder=True,
+                   note="verl's 0.5 is cosine's own default: kept out unless you set it"),
             Mapped(f"{prefix}.optim.lr_scheduler_type", f"{section}.optim.lr_scheduler_type"),
             Mapped(f"{prefix}.optim.warmup_style", f"{section}.optim.warmup_style"),
             Mapped(f"{prefix}.optim.lr_decay_style", f"{section}.optim.lr_scheduler_type",
@@ -513,7 +527,6 @@ def _role_entries(prefix: str, section: str, *, ref: bool = False, critic: bool 
             Refused(f"{prefix}.optim.lr_warmup_init", "polyrl's warmup starts at 0", allowed=(0, 0.0)),
             Refused(f"{prefix}.optim.weight_decay_incr_style", "polyrl keeps weight decay constant",
                     allowed=("constant",)),
-            Ignored(f"{prefix}.data_loader_seed", "polyrl shuffles mini-batches with the role's seed"),
             Mapped(f"{prefix}.ppo_mini_batch_size", f"{section}.ppo_mini_batch_size", note="prompts, as in verl"),
             Mapped(f"{prefix}.ppo_epochs", f"{section}.ppo_epochs"),
             Mapped(f"{prefix}.use_dynamic_bsz", f"{section}.use_dynamic_bsz"),
@@ -553,7 +566,6 @@ def _model_entries(prefix: str, section: str, *, critic: bool = False) -> list[E
         Ignored(f"{prefix}.use_shm", _PERF),
         Ignored(f"{prefix}.enable_activation_offload", _PERF),
         Ignored(f"{prefix}.tiled_mlp.*", _PERF),
-        Ignored(f"{prefix}.fsdp_config.*", _PERF),
         Refused(f"{prefix}.external_lib", "import your model code in a plugin module listed in the manifest "
                 "(docs/plugins)", allowed=(None,)),
     ]
@@ -572,8 +584,9 @@ def _build_table() -> list[Entry]:
         Refused(f"{MODEL}.hf_config_path", "put the config in the model folder", allowed=(None,)),
         Refused(f"{MODEL}.custom_chat_template", "set the template in the tokenizer folder (tokenizer_config.json)",
                 allowed=(None,)),
-        Mapped(f"{MODEL}.use_remove_padding", "actor.use_remove_padding", _skip,
-               note=f"through {ACTOR}.use_remove_padding, which verl sets from it"),
+        Mapped(f"{MODEL}.use_remove_padding", "actor.use_remove_padding",
+               lambda v, view: {} if view.has(f"{ACTOR}.use_remove_padding") else {"actor.use_remove_padding": v},
+               note=f"through {ACTOR}.use_remove_padding, which verl sets from it (megatron's tree: directly)"),
         Refused(f"{MODEL}.exclude_modules", "LoRA: list the modules to adapt in target_modules", allowed=(None,)),
         Refused(f"{MODEL}.lora_adapter_path", "polyrl starts LoRA from fresh adapters", allowed=(None,)),
         Ignored(f"{MODEL}.use_liger", _PERF),
@@ -661,8 +674,8 @@ def _build_table() -> list[Entry]:
         Mapped(f"{ROLLOUT}.max_num_batched_tokens", "rollout.vllm.max_num_batched_tokens",
                _rollout_opt("max_num_batched_tokens", None), note="vLLM only"),
         Mapped(f"{ROLLOUT}.max_model_len", "rollout.max_model_len", _to("rollout.max_model_len", _none_to(0))),
-        Mapped(f"{ROLLOUT}.max_num_seqs", "rollout.vllm.max_num_seqs / rollout.sglang.max_running_requests",
-               _rollout_opt("max_num_seqs", "max_running_requests")),
+        Mapped(f"{ROLLOUT}.max_num_seqs", "rollout.vllm.max_num_seqs / rollout.sglang.max_running_requests / "
+               "rollout.max_batch_size (hf)", _rollout_opt("max_num_seqs", "max_running_requests", hf="max_batch_size")),
         Ignored(f"{ROLLOUT}.enable_chunked_prefill", "on in vLLM and SGLang by default"),
         Mapped(f"{ROLLOUT}.enable_prefix_caching", "rollout.vllm.enable_prefix_caching / rollout.sglang.disable_radix_cache",
                lambda v, view: _rollout_opt("enable_prefix_caching", None)(v, view) or
@@ -811,7 +824,8 @@ def _build_table() -> list[Entry]:
         Mapped("reward_manager.name", "reward.manager", _reward_manager,
                note="naive, batch, dapo (verl's default follows reward_model.reward_manager)"),
         Ignored("reward_manager.module.*", "used only with reward_manager.source=importlib, which is refused"),
-        Mapped("reward_model.reward_manager", "reward.manager", _skip, note="through reward_manager.name"),
+        Mapped("reward_model.reward_manager", "reward.manager", _skip,
+               note="through reward_manager.name (naive, batch, dapo, or one a plugin registers)"),
         Refused("reward_model.enable", "polyrl's verl front end scores with reward functions only: set "
                 "custom_reward_function.path (or reward.function)", allowed=(False,)),
         Ignored("reward_model.*", _RM),
@@ -821,7 +835,8 @@ def _build_table() -> list[Entry]:
         Refused("reward_model.reward_loop_module_path", "register reward managers through a plugin", allowed=(None,)),
         Refused("reward_model.sandbox_fusion.url", "score code in a sandbox from your reward function "
                 "(docs/rewards_and_data.md)", allowed=(None,)),
-        Mapped("reward_model.reward_kwargs.*", "reward.overlong_buffer_* / reward.max_response_length",
+        Mapped("reward_model.reward_kwargs.*", "reward.overlong_buffer_enable / reward.overlong_buffer_len / "
+               "reward.overlong_penalty_factor / reward.max_response_length",
                _reward_kwargs, note="DAPO's overlong_buffer_cfg (enable, len, penalty_factor) and max_resp_len",
                open=True),
         Mapped("custom_reward_function.path", "reward.custom_reward_function.path"),
@@ -893,6 +908,9 @@ def _build_table() -> list[Entry]:
         Mapped("ray_kwargs.ray_init.num_cpus", "trainer.ray_num_cpus", _to("trainer.ray_num_cpus", _none_to(0))),
         Ignored("ray_kwargs.timeline_json_file", _PROFILE),
     ]
+    # polyrl's own settings a verl-layout config may add (with +, as verl's tree does not have them)
+    t += [Mapped(f"trainer.{key}", f"trainer.{key}", note="polyrl only: add it with +") for key in (
+        "executor", "progress_bar", "placement", "rollout_workers", "ray_address", "seed", "async_mode")]
     return t
 
 
@@ -915,6 +933,7 @@ def _pattern_matches(pattern: str, key: str) -> bool:
     return fnmatch.fnmatchcase(key, pattern)
 
 
+@functools.lru_cache(maxsize=4096)
 def classify(key: str) -> Entry | None:
     """The entry for verl key ``key``: the exact one, else the longest matching pattern; None if none."""
     if key in _EXACT:
@@ -946,8 +965,8 @@ def render() -> str:
             for e in TABLE if isinstance(e, Mapped)]
     out += ["", "### Accepted with no effect", "", "| verl key | why |", "|---|---|"]
     out += [f"| `{e.verl}` | {_cell(e.reason)} |" for e in TABLE if isinstance(e, Ignored)]
-    out += ["", "### Refused", "", "A refused key stops the run (one line, exit 2) when it holds anything but the "
-            "values listed, which have no effect.", "", "| verl key | fine values | what to do instead |",
+    out += ["", "### Refused", "", "A refused key stops the run before anything starts (one line, exit 2) when it "
+            "holds anything but the values listed.", "", "| verl key | fine values | what to do instead |",
             "|---|---|---|"]
     for e in TABLE:
         if isinstance(e, Refused):
