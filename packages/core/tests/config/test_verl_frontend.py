@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from verl_examples import ARR, EXAMPLES  # beside this file (pytest puts its folder on sys.path)
 
 from polyrl.config import verl_table
 from polyrl.config.loader import load_with_origins, to_dict
 from polyrl.config.schema import PolyrlConfig
 from polyrl.config.verl import flatten, shipped_tree
 from polyrl.errors import ConfigError
-
-from verl_examples import ARR, EXAMPLES  # beside this file (pytest puts its folder on sys.path)
 
 HERE = Path(__file__).resolve().parent
 FIXTURE = json.loads((HERE / "fixtures" / "verl_keys.json").read_text())

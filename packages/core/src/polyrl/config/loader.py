@@ -65,10 +65,10 @@ def read_sources(files: Sequence[str | Path], overrides: Sequence[str]) -> tuple
             for key in [k for k in origins if k == override.key or k.startswith(override.key + ".")]:
                 origins.pop(key)
             continue
-        data: Any = override.value
+        value: Any = override.value
         for part in reversed(override.key.split(".")):
-            data = {part: data}
-        _deep_merge(merged, data, origins, f"command line '{item}'")
+            value = {part: value}
+        _deep_merge(merged, value, origins, f"command line '{item}'")
     return merged, origins
 
 
@@ -200,7 +200,7 @@ class LoadedConfig:
     warnings: list[str]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _structured(schema: type) -> Any:
     """The schema's OmegaConf structured config, built once per schema (``OmegaConf.merge`` copies it)."""
     return OmegaConf.structured(schema)
@@ -324,18 +324,18 @@ def _schema_has(schema: type, key: str) -> bool:
     return True
 
 
-def from_dict(schema: type, raw: Mapping, origins: Mapping[str, str] | None = None, *, plugins: Any = None,
+def from_dict(schema: type, raw: Mapping, origins: dict[str, str] | None = None, *, plugins: Any = None,
               strict_plugins: bool = True) -> Any:
     """Validate an already merged config dict (see :func:`load_config`). ``origins`` is updated in place with the
     origins of values the loader copies (the top-level ``model`` block into the roles, verl's spellings)."""
     if origins is None:
         origins = {}
-    raw = _copy(raw)
-    _apply_spellings(schema, raw, origins)
-    _share_model_block(schema, raw, origins)
-    plugin_blocks = _pop_plugin_blocks(schema, raw)
-    _coerce_scalars(schema, raw, origins)
-    config = build(schema, raw, origins)
+    data: dict = _copy(raw)
+    _apply_spellings(schema, data, origins)
+    _share_model_block(schema, data, origins)
+    plugin_blocks = _pop_plugin_blocks(schema, data)
+    _coerce_scalars(schema, data, origins)
+    config = build(schema, data, origins)
     check_values(config, origins)
     for section, (name, block) in plugin_blocks.items():
         getattr(config, section).plugin_config = _plugin_config(section, name, block, origins, plugins, strict_plugins)

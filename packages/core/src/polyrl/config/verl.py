@@ -63,9 +63,9 @@ def shipped_tree(name: str) -> dict:
     return copy.deepcopy(_shipped(name))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shipped(name: str) -> dict:
-    text = resources.files("polyrl.config").joinpath("verl_defaults", f"{name}.yaml").read_text()
+    text = resources.files("polyrl.config").joinpath("verl_defaults").joinpath(f"{name}.yaml").read_text()
     return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 

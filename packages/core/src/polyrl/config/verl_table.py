@@ -888,8 +888,8 @@ def _build_table() -> list[Entry]:
         Mapped("trainer.resume_mode", "trainer.resume", _resume),
         Mapped("trainer.resume_from_path", "trainer.resume", _skip, note="with resume_mode=resume_path"),
         Mapped("trainer.val_before_train", "trainer.val_before_train"),
-        Refused("trainer.val_only", "run validation with trainer.total_steps=0 ... not yet: use "
-                "trainer.val_before_train=True and trainer.total_steps=1", allowed=(False,)),
+        Refused("trainer.val_only", "polyrl has no validation-only run yet: trainer.val_before_train=True with "
+                "trainer.total_training_steps=1 validates first (and trains one step)", allowed=(False,)),
         Mapped("trainer.test_freq", "trainer.test_freq", _to("trainer.test_freq", _never_if_negative),
                note="-1 (never) -> 0"),
         Mapped("trainer.critic_warmup", "critic.warmup_steps"),

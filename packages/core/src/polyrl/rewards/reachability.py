@@ -40,7 +40,7 @@ def reads_argument(fn: Any, index: int, name: str) -> bool | None:
     if inspect.ismethod(target):
         target, offset = target.__func__, 1
     elif not inspect.isfunction(target):
-        call = getattr(type(target), "__call__", None)
+        call = getattr(type(target), "__call__", None)  # noqa: B004 - the method itself, to read its code
         if not inspect.isfunction(call):
             return None
         target, offset = call, 1

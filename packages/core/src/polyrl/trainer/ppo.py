@@ -217,13 +217,13 @@ class PPOTrainer:
 
         cfg = self.config
         trainer = cfg.trainer
-        choice = select_platform(trainer.device, self.pm)
         if trainer.placement not in ("colocated", "split"):
             raise ConfigError(f"trainer.placement={trainer.placement!r}: choose 'colocated' or 'split'")
         local = trainer.executor == "local"
         rollout_devices = 1 if local else (trainer.n_workers if trainer.placement == "colocated"
                                            else trainer.rollout_workers)
         plan_replicas(rollout_devices, cfg.rollout.tensor_parallel_size)
+        choice = select_platform(trainer.device, self.pm)  # logs the choice: after the checks that cannot log
         if trainer.placement == "split" and not local:
             from polyrl.trainer.weight_transfer import resolve_weight_transfer
 
