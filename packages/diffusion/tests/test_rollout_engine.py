@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from polyrl_diffusion.config import DanceGRPOConfig, DiffusersRolloutConfig, FlowGRPOConfig
+from polyrl_diffusion.config import DanceGRPOConfig, DiffusersRolloutConfig, FlowGRPOConfig, MixGRPOConfig
 from polyrl_diffusion.models import make_tiny_pipeline, pipeline_family
 from polyrl_diffusion.worker import collate_images
 
@@ -115,3 +115,31 @@ def test_unsupported_pipeline_and_long_prompt_are_clear_errors(model_dir, tmp_pa
         rollout.generate(_requests(prompt="a " * 20))
     with pytest.raises(KeyError, match="nope"):
         rollout.update_weights([("nope", torch.zeros(1))])
+
+
+@pytest.mark.parametrize("sampler", [
+    {"dance_grpo": DanceGRPOConfig(enable=True, noise_level=0.3, timestep_fraction=0.5), "sde_window_size": 0},
+    {"sde_type": "cps", "noise_level": 0.8},
+], ids=["dance", "cps"])
+def test_engine_recomputes_the_log_probs_of_dance_and_cps_steps(model_dir, sampler):
+    """The batch's ``sde_type`` tells the engine which step the rollout drew: on-policy the ratio is 1."""
+    rollout = _rollout(model_dir, **sampler)
+    batch = collate_images([type("O", (), {"extra": r.extra})() for r in rollout.generate(_requests())])
+    out = _engine(model_dir).infer_batch(batch)
+    assert torch.allclose(out["log_probs"], batch["rollout_log_probs"], atol=1e-5)
+    wrong = batch.clone()
+    wrong["sde_type"] = torch.zeros_like(batch["sde_type"])  # read as Flow-GRPO's SDE: other log-probs
+    assert not torch.allclose(_engine(model_dir).infer_batch(wrong)["log_probs"], batch["rollout_log_probs"], atol=1e-3)
+
+
+@pytest.mark.parametrize("sampler, shared", [
+    ({}, False),
+    ({"same_initial_noise": True}, True),
+    ({"sde_window_size": 0, "mix_grpo": MixGRPOConfig(enable=True, window_size=2)}, True),
+    ({"sde_window_size": 0, "mix_grpo": MixGRPOConfig(enable=True, window_size=2), "same_initial_noise": False}, False),
+], ids=["flow_grpo", "same_initial_noise", "mix_grpo", "mix_grpo_off"])
+def test_shared_initial_noise_per_prompt_group(model_dir, sampler, shared):
+    noise = collate_images([type("O", (), {"extra": r.extra})()
+                            for r in _rollout(model_dir, **sampler).generate(_requests(groups=2, n=3))])["initial_noise"]
+    assert torch.equal(noise[0], noise[1]) is shared and torch.equal(noise[3], noise[5]) is shared
+    assert not torch.equal(noise[0], noise[3])  # never across groups
