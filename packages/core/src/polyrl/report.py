@@ -227,7 +227,7 @@ h2{font-size:17px;margin:26px 0 10px;border-bottom:1px solid #d0d7de;padding-bot
 padding:8px 12px;min-width:120px}.fact b{display:block;font-size:18px}.fact span{color:#57606a;font-size:12px}
 .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(430px,1fr));gap:12px}
 .panel{background:#fff;border:1px solid #d0d7de;border-radius:6px;padding:8px}
-.panel h3{margin:0 0 4px;font-size:14px}.legend{font-size:12px;color:#444;word-break:break-all}
+.panel h3{margin:0 0 4px;font-size:14px}.legend{font-size:12px;color:#444}.legend>span{display:inline-block;white-space:nowrap;margin-right:6px}
 .legend i{display:inline-block;width:10px;height:10px;margin:0 4px 0 8px;border-radius:2px}
 table{border-collapse:collapse;background:#fff;width:100%;font-size:13px}
 td,th{border:1px solid #d0d7de;padding:4px 6px;vertical-align:top;text-align:left}th{background:#f0f2f4}
@@ -236,7 +236,7 @@ font:12px/1.4 ui-monospace,SFMono-Regular,Menlo,monospace}
 details{margin:6px 0}summary{cursor:pointer;font-weight:600}
 .files pre{background:#fff;border:1px solid #d0d7de;border-radius:6px;padding:10px;max-height:600px;overflow:auto}
 figure{margin:0;background:#fff;border:1px solid #d0d7de;border-radius:6px;padding:8px}
-figure img{max-width:100%;image-rendering:pixelated}figcaption{font-size:12px;color:#57606a}
+figure img{width:100%;image-rendering:pixelated}figcaption{font-size:12px;color:#57606a}
 .muted{color:#57606a}.good{color:#1a7f37}.bad{color:#cf222e}
 """
 
@@ -419,7 +419,8 @@ def _generations(generations: dict[int, list[dict[str, Any]]]) -> str:
     for n, step in enumerate(steps[:MAX_GEN_STEPS]):
         samples = generations[step]
         scores = [float(s["score"]) for s in samples if _finite(s.get("score"))]
-        mean = f"mean score {_fmt(sum(scores) / len(scores))}, " if scores else ""
+        mean = f", mean score {_fmt(sum(scores) / len(scores))}" if scores else ""
+        count = f"{len(samples)} sample" + ("s" if len(samples) != 1 else "")
         extras = list(dict.fromkeys(k for s in samples for k in s if k not in ("prompt", "response", "score")))[:4]
         head = "".join(f"<th>{html.escape(k)}</th>" for k in ["#", "prompt", "response", "score", *extras])
         body = []
@@ -433,7 +434,7 @@ def _generations(generations: dict[int, list[dict[str, Any]]]) -> str:
         more = (f"<p class=muted>{len(samples) - MAX_GEN_ROWS} more samples of step {step} in the JSONL file</p>"
                 if len(samples) > MAX_GEN_ROWS else "")
         opened = " open" if n == 0 else ""
-        out.append(f"<details{opened}><summary>step {step}: {len(samples)} samples, {mean}</summary>"
+        out.append(f"<details{opened}><summary>step {step}: {count}{mean}</summary>"
                    f"<table><tr>{head}</tr>{''.join(body)}</table>{more}</details>")
     if len(steps) > MAX_GEN_STEPS:
         out.append(f"<p class=muted>{len(steps) - MAX_GEN_STEPS} older validation steps not shown</p>")
