@@ -41,6 +41,8 @@ STEP_RANGE = "polyrl step "
 CALL_RANGE = "polyrl/"
 
 F = TypeVar("F", bound=Callable[..., Any])
+#: c10::DeviceType numbers in the trace's memory events.
+_DEVICE_TYPES = {0: "cpu", 1: "cuda", 12: "xpu", 13: "mps", 20: "privateuse1"}
 
 
 def check_profile_steps(steps: Sequence[int], total_steps: int, key: str = "trainer.profile.steps") -> list[int]:
@@ -206,7 +208,9 @@ def trace_summary(events: list[dict[str, Any]]) -> dict[str, Any]:
         name, cat = str(e.get("name", "")), e.get("cat")
         if e.get("ph") == "i" and name == "[memory]":
             args = e.get("args") or {}
-            device = f"{args.get('Device Type', '?')}:{args.get('Device Id', '?')}"
+            kind = _DEVICE_TYPES.get(args.get("Device Type"), str(args.get("Device Type", "?")))
+            index = args.get("Device Id", -1)
+            device = kind if index in (-1, None) else f"{kind}:{index}"
             total = args.get("Total Allocated")
             if isinstance(total, (int, float)):
                 peak[device] = max(peak.get(device, 0.0), float(total))

@@ -100,7 +100,7 @@ def _metrics(run: Path) -> list[dict[str, Any]]:
         raise DataError(f"{run} has no metrics.jsonl: not a polyrl run directory, or a run whose trainer.logger "
                         "leaves out jsonl (add it: trainer.logger=[console,jsonl])")
     by_step: dict[int, dict[str, Any]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for line in path.read_text().splitlines():
         if not line.strip():
             continue
         try:

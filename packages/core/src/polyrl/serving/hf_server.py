@@ -128,8 +128,9 @@ class HFGenerator:
                 if safe > len(sent):
                     yield text[len(sent):safe], None, len(tokens)
                     sent = text[:safe]
-        # what was held back (a partial stop string or character that never completed) goes out last
-        rest = "" if stopped else self.tokenizer.decode(tokens, skip_special_tokens=True)[len(sent):]
+        # what was held back (a partial stop string) goes out last; bytes of a character that never completed
+        # are dropped, as vLLM's detokenizer does
+        rest = "" if stopped else self.tokenizer.decode(tokens, skip_special_tokens=True)[len(sent):].rstrip("\ufffd")
         yield rest, reason, len(tokens)
 
 
@@ -308,9 +309,9 @@ class _Handler(BaseHTTPRequestHandler):
             choices, prompt_tokens, completion_tokens = [], 0, 0
             for index, ids in jobs:
                 text, reason, count = "", "length", 0
-                for piece, finish, count in run(index, ids):
+                for piece, finish, tokens in run(index, ids):
                     text += piece
-                    reason = finish or reason
+                    reason, count = finish or reason, tokens
                 prompt_tokens += len(ids)
                 completion_tokens += count
                 if chat:
@@ -334,7 +335,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._event({**base, "object": kind, "choices": [
                     {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
             count = 0
-            for piece, finish, count in run(index, ids):
+            for piece, finish, tokens in run(index, ids):
+                count = tokens
                 if not piece and finish is None:
                     continue
                 if chat:

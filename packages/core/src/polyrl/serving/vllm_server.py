@@ -2,7 +2,7 @@
 
 The child is ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs) with this
 interpreter, bound to the host and port ``polyrl serve`` was given. SIGINT and SIGTERM are passed on to
-it as SIGTERM (vLLM's clean shutdown); ``polyrl serve`` returns when the child has exited, and kills it
+it as SIGINT (vLLM's clean shutdown; on SIGTERM its engine core logs a traceback); ``polyrl serve`` returns when the child has exited, and kills it
 if it has not within :data:`STOP_TIMEOUT_S`.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 log = logging.getLogger("polyrl.serve")
 
-#: Seconds the child has to stop after SIGTERM before it is killed.
+#: Seconds the child has to stop after SIGINT before it is killed.
 STOP_TIMEOUT_S = 30.0
 
 
@@ -57,7 +57,7 @@ def run_vllm_server(model_dir: str | Path, model_name: str, *, host: str = "127.
             stopping.set()
             log.info("polyrl serve: %s received, stopping vLLM", signal.Signals(signum).name)
             if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
+                child.send_signal(signal.SIGINT)
 
     previous = {}
     if threading.current_thread() is threading.main_thread():

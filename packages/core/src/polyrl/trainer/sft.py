@@ -9,7 +9,6 @@ log-likelihood of the response tokens (EOS included).
 from __future__ import annotations
 
 import logging
-
 import random
 import time
 from pathlib import Path
