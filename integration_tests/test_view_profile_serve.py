@@ -157,3 +157,25 @@ def test_serve_a_checkpoint_answers_the_openai_client(run):
     assert "exporting" in err and err.strip().endswith("polyrl serve: stopped")
     exported = re.search(r"to (\S+/model) \(polyrl export\)", err).group(1)
     assert not Path(exported).exists(), "the temporary export was left behind"
+
+
+def test_profile_with_ray_workers_writes_one_trace_per_rank(base_overrides, manifest_file, tmp_path, capsys):
+    """Ray executor, two colocated ranks: each worker process records the step through the worker group."""
+    from polyrl.trainer.commands import train
+
+    train(manifest_file, [], base_overrides + ["trainer.n_workers=2", "trainer.ray_num_cpus=2", "trainer.save_freq=0",
+                                               "trainer.val_before_train=false", "trainer.profile.steps=[2]"])
+    run = tmp_path / "run"
+    traces = sorted((run / "profile" / "step_2").glob("*.pt.trace.json"))
+    assert [t.name for t in traces] == ["actor-rollout_rank0.pt.trace.json", "actor-rollout_rank1.pt.trace.json"]
+    pids = set()
+    for trace in traces:
+        events = json.loads(trace.read_text())["traceEvents"]
+        assert {e["name"] for e in events if str(e.get("name", "")).startswith("polyrl step")} == {"polyrl step 2"}
+        assert any(e.get("name") == "polyrl/actor/update_actor" for e in events)
+        pids |= {e["pid"] for e in events if e.get("cat") == "cpu_op"}
+    assert len(pids) == 2, "the two ranks' traces come from one process"
+    assert sorted(p.name for p in (run / "profile").iterdir()) == ["step_2"]
+    assert main(["profile", str(run), "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "process actor-rollout_rank0" in out and "process actor-rollout_rank1" in out

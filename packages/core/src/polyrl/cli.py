@@ -174,7 +174,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str, Callable[[ar
     "view": (cmd_view, "write a run's HTML report (curves, samples, images, config)", lambda p: (
         p.add_argument("run_dir"), p.add_argument("--out", help="HTML path (default RUN_DIR/report.html)"),
         p.add_argument("--open", action="store_true", help="open it in the default browser"))),
-    "profile": (cmd_profile, "where a run's step time went (timing/* and trainer.profile traces)", lambda p: (
+    "profile": (cmd_profile, "where a run's step time went (per phase and process)", lambda p: (
         p.add_argument("run_dir"), p.add_argument("--step", type=int, help="one profiled step (default: every one)"),
         p.add_argument("--top", type=int, default=10, help="operators shown per process (default 10)"))),
     "serve": (cmd_serve, "an OpenAI-compatible server over a model, checkpoint or run", _serve_args),
