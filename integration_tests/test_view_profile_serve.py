@@ -25,14 +25,27 @@ ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 
 
 @pytest.fixture(scope="module")
-def run(tiny_model, arithmetic_files, parity_reward, tmp_path_factory) -> Path:
+def run(tiny_model, arithmetic_files, tmp_path_factory) -> Path:
     from polyrl.trainer.commands import train
 
     run_dir = tmp_path_factory.mktemp("first-hour") / "grpo-tiny"
     manifest = run_dir.parent / "polyrl.toml"
     manifest.write_text('[plugins]\nrequire = ["polyrl-engine-fsdp>=0.1,<0.2"]\n')
+    # the parity reward, which also notes what report.html says each time it is called (during the run)
+    reward = run_dir.parent / "watching_reward.py"
+    reward.write_text(
+        "import pathlib, re\n"
+        f"RUN = pathlib.Path({str(run_dir)!r})\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    page = RUN / 'report.html'\n"
+        "    if page.exists():\n"
+        "        text = page.read_text()\n"
+        "        last = re.search(r'<b>(\\d+)</b><span>last step</span>', text).group(1)\n"
+        "        with open(RUN.parent / 'seen.txt', 'a') as f:\n"
+        "            f.write(f\"{last} {'refresh' in text}\\n\")\n"
+        "    return {'score': float(sum(map(ord, solution_str)) % 2), 'acc': 0.0}\n")
     train(manifest, [], [
-        f"reward.function={parity_reward}:compute_score", f"model.path={tiny_model}",
+        f"reward.function={reward}:compute_score", f"model.path={tiny_model}",
         f"data.train_files=[{arithmetic_files['train']}]", f"data.val_files=[{arithmetic_files['val']}]",
         "data.train_batch_size=4", "data.max_prompt_length=32", "data.max_response_length=6", "data.val_max_samples=8",
         "actor.engine=fsdp", "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=8", "actor.optim.lr=1e-3",
@@ -41,6 +54,13 @@ def run(tiny_model, arithmetic_files, parity_reward, tmp_path_factory) -> Path:
         "trainer.profile.steps=[2]", "trainer.profile.memory=true", f"trainer.run_dir={run_dir}",
     ])
     return run_dir
+
+
+def test_the_report_is_refreshed_during_the_run(run):
+    seen = (run.parent / "seen.txt").read_text().split("\n")
+    steps = [int(line.split()[0]) for line in seen if line and line.endswith("True")]
+    # written after the first validation (step 0), then after each step (report_freq=1) while the run went on
+    assert steps[0] == 0 and sorted(set(steps)) == [0, 1, 2, 3], steps
 
 
 def test_the_trainer_writes_a_report_that_chromium_shows(run):

@@ -319,31 +319,18 @@ class PPOTrainer:
             profiler = self._step_profiler()
             self.rollout_source.start()
             while self.global_step < self.total_steps:
-                profiled = profiler is not None and profiler.wants(self.global_step + 1)
-                if profiled:
-                    profiler.start(self.global_step + 1)
-                try:
-                    metrics = self.step()
-                finally:
-                    if profiled:
-                        written = profiler.stop()
-                        log.info("step %d profiled: %d trace files in %s", self.global_step + 1, len(written),
-                                 self.run_dir / "profile" / f"step_{self.global_step + 1}")
+                metrics = self._profiled_step(profiler)  # self.step(), recorded when trainer.profile asks
                 self.global_step += 1
                 is_last = self.global_step >= self.total_steps
-                validated = False
                 if self.val_set is not None and cfg.trainer.test_freq and (
                     self.global_step % cfg.trainer.test_freq == 0 or is_last
                 ):
                     last_val = self.validate()
                     metrics.update(last_val)
-                    validated = True
                 # metrics first: a checkpoint at step N implies N's metrics line exists (resume re-runs the rest)
                 tracker.log(metrics, self.global_step)
                 fault_point("metrics", self.global_step)
-                freq = cfg.trainer.report_freq
-                if freq and not is_last and (validated or self.global_step % freq == 0):
-                    self._write_report(live=True)
+                self._refresh_report(metrics, is_last)
                 if cfg.trainer.save_freq > 0 and (self.global_step % cfg.trainer.save_freq == 0 or is_last):
                     self.save()
                 if bar is not None:
@@ -371,6 +358,26 @@ class PPOTrainer:
             return None
         return StepProfiler(self.groups.distinct(), self.run_dir, steps, memory=prof.memory,
                             with_stack=prof.with_stack)
+
+    def _profiled_step(self, profiler: Any) -> dict[str, float]:
+        """:meth:`step`, with every worker process recording it when it is one of ``trainer.profile.steps``."""
+        step = self.global_step + 1
+        if profiler is None or not profiler.wants(step):
+            return self.step()
+        profiler.start(step)
+        try:
+            return self.step()
+        finally:
+            written = profiler.stop()
+            log.info("step %d profiled: %d trace files in %s", step, len(written), self.run_dir / "profile" / f"step_{step}")
+
+    def _refresh_report(self, metrics: dict[str, float], is_last: bool) -> None:
+        """Rewrite the live report after a validation and every ``trainer.report_freq`` steps (the final one is
+        written when the run ends)."""
+        freq = self.config.trainer.report_freq
+        validated = any(k.startswith("val/") for k in metrics)
+        if freq and not is_last and (validated or self.global_step % freq == 0):
+            self._write_report(live=True)
 
     def _write_report(self, *, live: bool) -> None:
         """``RUN_DIR/report.html`` (``polyrl view``), unless ``trainer.report_freq=0``; a failure to write it
