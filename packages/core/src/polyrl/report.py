@@ -5,7 +5,7 @@ validation generations per step with their scores, the run's PNG images (diffusi
 data URIs, and the resolved config, manifest and platform. It loads nothing from the network: no
 script, no font, no stylesheet from elsewhere; it opens from a laptop's disk, a shared drive or an
 e-mail attachment. The trainer rewrites it after each validation and every ``trainer.report_freq``
-steps (a few milliseconds for a thousand steps).
+steps (about 0.15 s for 1000 steps of 45 metrics).
 
 Validation generations are read from JSONL files, one row per sample (docs/view.md):
 ``step`` (or a step number in the file name, ``12.jsonl``), ``prompt`` (or verl's ``input``),

@@ -40,10 +40,17 @@ class HFGenerator:
     """A causal LM and its tokenizer, generating one sequence at a time with a KV cache."""
 
     def __init__(self, model_dir: str | Path, *, trust_remote_code: bool = False, max_model_len: int | None = None,
-                 device: str = "cpu") -> None:
+                 device: str | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if device is None:  # the first accelerator of the detected platform, else the CPU
+            from polyrl.platforms import detect_platform
+
+            platform = detect_platform()
+            if platform.device_type != "cpu":
+                platform.set_device(0)
+            device = str(platform.current_device())
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=trust_remote_code,
                                                           dtype=torch.float32 if device == "cpu" else "auto")
