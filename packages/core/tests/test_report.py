@@ -47,10 +47,16 @@ def run_dir(tmp_path) -> Path:
     (val / "8.jsonl").write_text("".join(json.dumps({"input": f"What is {i}+{i}? <verl prompt>", "output": f"{2 * i}",
                                                      "score": float(i % 2), "gts": str(2 * i), "step": 8}) + "\n"
                                          for i in range(20)))
-    # ...and polyrl's names, several steps in one file, with a line cut short by a crash
-    rows = [{"step": 12, "prompt": "Compute 7*6 <&escaped>", "response": "The answer is 42", "score": 1.0,
-             "acc": True}, {"step": 4, "prompt": "Compute 1+1", "response": "3", "score": 0.0}]
-    (val / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 12, "pro')
+    # ...and polyrl's (trainer.validation_data_dir=auto: RUN_DIR/generations/validation/<step>.jsonl), with a line
+    # cut short by a crash and a training row that is not shown
+    rows = [{"step": 12, "kind": "validation", "sample_id": "3/0", "uid": "3-ab", "data_source": "arithmetic",
+             "prompt": "Compute 7*6 <&escaped>", "response": "The answer is 42", "response_length": 5,
+             "ground_truth": "42", "score": 1.0, "reward": 1.0, "reward_extra": {"acc": True}},
+            {"step": 4, "kind": "validation", "prompt": "Compute 1+1", "response": "3", "score": 0.0},
+            {"step": 4, "kind": "train", "prompt": "a training prompt", "response": "x", "score": 0.0}]
+    (run / "generations" / "validation").mkdir(parents=True)
+    (run / "generations" / "validation" / "12.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows)
+                                                                 + '{"step": 12, "pro')
     from PIL import Image
 
     grid = Image.new("RGB", (256, 128), GRID_RGB)
@@ -65,7 +71,9 @@ def test_report_reads_both_generation_layouts(run_dir):
     assert len(gens[8]) == 20 and gens[8][3] == {"prompt": "What is 3+3? <verl prompt>", "response": "6",
                                                  "score": 1.0, "gts": "6"}
     assert gens[12] == [{"prompt": "Compute 7*6 <&escaped>", "response": "The answer is 42", "score": 1.0,
-                         "acc": True}]
+                         "kind": "validation", "sample_id": "3/0", "uid": "3-ab", "data_source": "arithmetic",
+                         "response_length": 5, "ground_truth": "42", "reward": 1.0, "acc": True}]
+    assert [s["prompt"] for s in gens[4]] == ["Compute 1+1"]
 
 
 def test_report_is_self_contained(run_dir):
@@ -101,6 +109,10 @@ def test_report_in_chromium_shows_curves_samples_images_and_config(run_dir):
     assert (dom.index("step 12: 1 sample, mean score 1<") < dom.index("step 8: 20 samples, mean score 0.5<")
             < dom.index("step 4: 1 sample, mean score 0<"))
     assert "Compute 7*6 &lt;&amp;escaped&gt;" in dom and "The answer is 42" in dom
+    head = re.search(r"step 12: .*?</tr>", dom, re.S).group(0)
+    assert re.findall(r"<th>([^<]+)</th>", head) == ["#", "prompt", "response", "score", "ground_truth", "acc",
+                                                     "data_source", "response_length"]
+    assert "a training prompt" not in dom
     assert "What is 3+3? &lt;verl prompt&gt;" in dom and "4 more samples of step 8" in dom
     # the summary, the image and the config
     assert "best val/arithmetic/mean@1 (step 12)" in dom and "last step" in dom
@@ -152,3 +164,20 @@ def test_write_report_replaces_the_file_atomically(run_dir):
     out2 = write_report(run_dir)
     assert out2 == out and out.read_text() != first
     assert not list(run_dir.glob(".*.tmp"))
+
+
+def test_generations_from_the_configured_folder(tmp_path):
+    from polyrl.report import generation_files
+
+    run = tmp_path / "run"
+    (run / "dumps").mkdir(parents=True)
+    (run / "dumps" / "3.jsonl").write_text(json.dumps({"prompt": "p", "response": "r", "score": 0.5}) + "\n")
+    (run / "config.yaml").write_text("trainer:\n  validation_data_dir: dumps\n")
+    assert generation_files(run) == [run / "dumps" / "3.jsonl"]
+    assert read_generations(run) == {3: [{"prompt": "p", "response": "r", "score": 0.5}]}
+    (run / "config.yaml").write_text("trainer:\n  validation_data_dir: ''\n")
+    assert generation_files(run) == []
+    (run / "config.yaml").write_text("trainer:\n  validation_data_dir: auto\n")
+    (run / "generations" / "validation").mkdir(parents=True)
+    (run / "generations" / "validation" / "5.jsonl").write_text(json.dumps({"step": 5, "prompt": "q"}) + "\n")
+    assert list(read_generations(run)) == [5]

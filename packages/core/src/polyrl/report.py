@@ -11,7 +11,8 @@ Validation generations are read from JSONL files, one row per sample (docs/view.
 ``step`` (or a step number in the file name, ``12.jsonl``), ``prompt`` (or verl's ``input``),
 ``response`` (or ``output``), ``score`` (or ``reward``); other scalar keys (ground truth, accuracy,
 reward extras) are shown as extra columns. They are looked for in ``trainer.validation_data_dir``
-when the run's config has one, and in folders under the run directory whose name has ``val`` in it.
+when the run's config has one (``auto``: ``RUN_DIR/generations/validation``), and in folders under the
+run directory whose name has ``val`` in it; rows marked ``"kind": "train"`` are left out.
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ def _configured_generation_dirs(run: Path, config_text: str | None) -> list[Path
     match = re.search(r"^\s+validation_data_dir:\s*(.+?)\s*$", config_text, re.M)
     if not match or match.group(1) in ("null", "''", '""', "~"):
         return []
+    if match.group(1).strip("'\"") == "auto":
+        return [run / "generations" / "validation"]
     value = Path(match.group(1).strip("'\""))
     return [value] if value.is_absolute() else [run / value, value]
 
@@ -170,7 +173,7 @@ def read_generations(run_dir: str | Path, config_text: str | None = None) -> dic
             if not isinstance(row, dict):
                 continue
             step = row.get("step", file_step)
-            if not isinstance(step, int):
+            if not isinstance(step, int) or row.get("kind", "validation") == "train":
                 continue
             steps[step].append(_sample(row))
     return dict(steps)
@@ -182,9 +185,24 @@ def _sample(row: dict[str, Any]) -> dict[str, Any]:
 
     out = {"prompt": first("prompt", "input", "prompts"), "response": first("response", "output", "responses"),
            "score": first("score", "reward", "scores")}
-    used = {"prompt", "input", "prompts", "response", "output", "responses", "score", "reward", "scores", "step"}
+    used = {"prompt", "input", "prompts", "response", "output", "responses", "score", "scores", "step"}
     out.update({k: v for k, v in row.items() if k not in used and isinstance(v, (str, int, float, bool))})
+    extra = row.get("reward_extra")  # the reward function's other outputs (acc, format...)
+    if isinstance(extra, dict):
+        out.update({k: v for k, v in extra.items() if k not in out and isinstance(v, (str, int, float, bool))})
     return out
+
+
+#: Extra columns of the generations table, most useful first (then the rest in file order), and fields left out.
+_EXTRA_ORDER = ("ground_truth", "gts", "acc", "data_source", "response_length", "advantage", "sample_id")
+_EXTRA_HIDDEN = {"uid", "kind", "reward", "turns"}
+
+
+def _extra_columns(samples: list[dict[str, Any]], count: int = 4) -> list[str]:
+    seen = list(dict.fromkeys(k for s in samples for k in s if k not in ("prompt", "response", "score")))
+    seen = [k for k in seen if k not in _EXTRA_HIDDEN]
+    rank = {k: i for i, k in enumerate(_EXTRA_ORDER)}
+    return sorted(seen, key=lambda k: (rank.get(k, len(rank)), seen.index(k)))[:count]
 
 
 def find_images(run_dir: str | Path) -> list[Path]:
@@ -421,7 +439,7 @@ def _generations(generations: dict[int, list[dict[str, Any]]]) -> str:
         scores = [float(s["score"]) for s in samples if _finite(s.get("score"))]
         mean = f", mean score {_fmt(sum(scores) / len(scores))}" if scores else ""
         count = f"{len(samples)} sample" + ("s" if len(samples) != 1 else "")
-        extras = list(dict.fromkeys(k for s in samples for k in s if k not in ("prompt", "response", "score")))[:4]
+        extras = _extra_columns(samples)
         head = "".join(f"<th>{html.escape(k)}</th>" for k in ["#", "prompt", "response", "score", *extras])
         body = []
         for i, s in enumerate(samples[:MAX_GEN_ROWS]):
