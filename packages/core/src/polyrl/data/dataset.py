@@ -37,6 +37,35 @@ def load_rows(path: str | Path, plugins: Any = None) -> list[dict]:
     raise DataError(f"data file {path}: no dataset loader for '{key}' files; known: {', '.join(known)}")
 
 
+def head_rows(path: str | Path, n: int, plugins: Any = None) -> list[dict]:
+    """The first ``n`` rows of a data file; JSON lines and parquet are read only that far, other formats whole
+    (:func:`load_rows`, which also gives a broken file's error)."""
+    path = Path(path)
+    if path.suffix == ".jsonl" and path.is_file():
+        import json
+
+        rows: list[dict] = []
+        try:
+            with path.open(encoding="utf-8") as f:
+                for line in f:
+                    if line.strip():
+                        rows.append(json.loads(line))
+                        if len(rows) >= n:
+                            break
+            return rows
+        except (UnicodeDecodeError, ValueError):
+            pass  # load_rows names the line
+    if path.suffix == ".parquet" and path.is_file():
+        try:
+            import pyarrow.parquet as pq
+
+            batch = next(pq.ParquetFile(str(path)).iter_batches(batch_size=n), None)
+            return batch.to_pylist() if batch is not None else []
+        except Exception:  # a corrupt file: load_rows says so
+            pass
+    return load_rows(path, plugins)[:n]
+
+
 def validate_row(row: Any, source: str, i: int) -> None:
     """Raise ``DataError`` naming the file, row and key when ``row`` is not in verl's format."""
     where = f"{source} row {i}"

@@ -73,6 +73,8 @@ class PPOTrainer:
         cfg = config
         self.run_dir = Path(cfg.trainer.run_dir).expanduser().resolve()  # created (and locked) by fit()
         self._check_config()
+        # before the tokenizer and the data sets are built: a run that cannot score its data stops in seconds
+        self.check_rewards()
         self.tokenizer = self.build_tokenizer()
 
         from polyrl.data import RLDataLoader
@@ -101,7 +103,6 @@ class PPOTrainer:
         self.adv_fn = get_adv_estimator_fn(cfg.algorithm.adv_estimator)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.reward_fn = self.build_reward_fn()
-        self.check_rewards()  # before any worker starts: a run that cannot score its data stops here
         entry = self.pm.entry("advantage_estimator", cfg.algorithm.adv_estimator)
         self.use_critic = bool(entry.metadata.get("needs_values")) or cfg.algorithm.adv_estimator in _NEEDS_CRITIC
         if self.use_critic and cfg.critic.model.path != cfg.actor.model.path:
@@ -198,17 +199,19 @@ class PPOTrainer:
         return manager(tokenizer=self.tokenizer, compute_score=compute_score, config=cfg.reward)
 
     def check_rewards(self) -> None:
-        """Refuse (one ConfigError) a data set none of whose first rows can reach a reward function: no function
+        """Refuse (one ConfigError) a data file none of whose first rows can reach a reward function: no function
         for its data source, or no ground truth where the function reads one (:mod:`polyrl.rewards.reachability`).
-        A plugin trainer whose rewards are not verl reward functions replaces it."""
-        from polyrl.rewards.reachability import check_rewards_reachable
+        Runs first in ``__init__``, before the tokenizer loads. A plugin trainer whose rewards are not verl reward
+        functions replaces it."""
+        from polyrl.data.dataset import RowColumns, head_rows
+        from polyrl.rewards.reachability import SAMPLE_ROWS, check_rewards_reachable
 
         cfg = self.config
-        for rows, key in ((self.val_set, "val_files"), (self.train_set, "train_files")):
-            if rows is None:
-                continue
-            files = ", ".join(str(f) for f in getattr(cfg.data, key))
-            check_rewards_reachable(rows, cfg.reward, cfg.data, source=f"data.{key} ({files})", plugins=self.pm)
+        columns = RowColumns.from_config(cfg.data)
+        for key in ("val_files", "train_files"):
+            for file in getattr(cfg.data, key):  # each file on its own: one data source each, usually
+                rows = [columns.normalize(r, str(file), i) for i, r in enumerate(head_rows(file, SAMPLE_ROWS, self.pm))]
+                check_rewards_reachable(rows, cfg.reward, cfg.data, source=f"data.{key} ({file})", plugins=self.pm)
 
     def check_placement(self) -> None:
         """The start-up checks :meth:`fit` makes before workers start, without starting them (``--dry-run``): the
