@@ -60,7 +60,7 @@ DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 __all__ = [
     "BLOCK_BYTES", "DISK_FULL_ERRNOS", "MANIFEST_FILE", "atomic_checkpoint_dir", "atomic_write_text",
-    "check_dcp_metadata", "dcp_reader", "disk_full_error", "load_dcp", "load_json", "load_tensors", "plain_data_planner",
+    "check_dcp_metadata", "checksums_enabled", "dcp_reader", "disk_full_error", "load_dcp", "load_json", "load_tensors", "plain_data_planner",
     "read_dcp_metadata", "verify_files", "write_file_manifest",
 ]
 
@@ -161,10 +161,10 @@ def dcp_reader(folder: str | Path) -> FileSystemReader:
     class _AllowListReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
             rank = kwargs.get("rank")
-            metadata = read_dcp_metadata(self.path, file=".metadata" if rank is None else f"__{rank}.metadata")
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
+            metadata = read_dcp_metadata(str(self.path), file=".metadata" if rank is None else f"__{rank}.metadata")
+            storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+            storage_meta.load_id = self.load_id
+            metadata.storage_meta = storage_meta
             return metadata
 
     return _AllowListReader(str(folder))
@@ -226,12 +226,12 @@ def load_dcp(state: dict[str, Any], folder: str | Path, *, planner: LoadPlanner 
 
 
 @contextmanager
-def atomic_checkpoint_dir(path: str | Path, *, checksums: bool = True) -> Iterator[Path]:
+def atomic_checkpoint_dir(path: str | Path, *, checksums: bool | None = None) -> Iterator[Path]:
     """Write a checkpoint folder that appears at ``path`` complete or not at all.
 
     Yields a temporary folder next to ``path`` (``<name>.tmp-<id>``, the same on every rank) for every rank to
     write into. On a normal exit, after all ranks arrive: the file manifest is written (the ranks share the
-    hashing; ``checksums=False`` records sizes only), then rank 0 renames the folder into place, replacing an
+    hashing; ``checksums=False`` records sizes only, ``None`` asks :func:`checksums_enabled`), then rank 0 renames the folder into place, replacing an
     older one, and all ranks wait for that. Collective when torch.distributed is initialised.
 
     On an error inside the block the temporary folder is removed and ``path`` is left as it was; a full disk
@@ -367,9 +367,15 @@ def _digests(folder: Path, files: list[str], sizes: dict[str, int]) -> dict[str,
     return {rel: h.hexdigest() for rel, h in combined.items()}
 
 
-def write_file_manifest(folder: str | Path, *, checksums: bool = True) -> dict[str, Any]:
+def checksums_enabled() -> bool:
+    """Whether checkpoints record digests: yes unless ``POLYRL_CHECKPOINT_CHECKSUMS=0`` (sizes only, for very
+    large checkpoints on machines where hashing costs more than it is worth; truncation is still caught)."""
+    return os.environ.get("POLYRL_CHECKPOINT_CHECKSUMS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def write_file_manifest(folder: str | Path, *, checksums: bool | None = None) -> dict[str, Any]:
     """Record the size (and, with ``checksums``, the block SHA-256) of every file under ``folder`` in
-    ``folder/checkpoint_files.json``; returns the manifest.
+    ``folder/checkpoint_files.json``; returns the manifest. ``checksums=None``: :func:`checksums_enabled`.
 
     Collective when torch.distributed is initialised (call it on every rank): each rank hashes a share of the
     files and rank 0 writes the manifest. A sub-folder that carries its own manifest (an engine's, written by
@@ -378,6 +384,7 @@ def write_file_manifest(folder: str | Path, *, checksums: bool = True) -> dict[s
     import torch.distributed as dist
 
     root = Path(folder)
+    checksums = checksums_enabled() if checksums is None else checksums
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     listing: list[Any] = [None]
