@@ -231,8 +231,9 @@ def atomic_checkpoint_dir(path: str | Path, *, checksums: bool | None = None) ->
 
     Yields a temporary folder next to ``path`` (``<name>.tmp-<id>``, the same on every rank) for every rank to
     write into. On a normal exit, after all ranks arrive: the file manifest is written (the ranks share the
-    hashing; ``checksums=False`` records sizes only, ``None`` asks :func:`checksums_enabled`), then rank 0 renames the folder into place, replacing an
-    older one, and all ranks wait for that. Collective when torch.distributed is initialised.
+    hashing; ``checksums=False`` records sizes only, ``None`` asks :func:`checksums_enabled`), then rank 0
+    renames the folder into place, replacing an older one, and all ranks wait for that. Collective when
+    torch.distributed is initialised.
 
     On an error inside the block the temporary folder is removed and ``path`` is left as it was; a full disk
     (``ENOSPC``, ``EDQUOT``, ``EFBIG`` anywhere in the error's chain) becomes one

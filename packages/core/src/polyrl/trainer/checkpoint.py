@@ -75,7 +75,10 @@ class CheckpointManager:
         try:
             atomic_write_text(self.root / "latest", final.name)
         except CheckpointDiskFullError as exc:
-            raise self._disk_full(final, exc) from None
+            raise CheckpointDiskFullError(
+                f"disk full while recording {final.name} in {self.root / 'latest'} ({exc.reason}): the checkpoint is "
+                "complete but `latest` still names the previous one, which trainer.resume=auto continues from. "
+                "Free space on that file system (or lower trainer.max_checkpoints) and run again") from None
         fault_point("latest", step)
         self._prune()
         return final
