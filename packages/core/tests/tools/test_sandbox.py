@@ -325,7 +325,7 @@ def test_no_process_of_a_call_outlives_it(isolation, escape):
     import uuid
 
     mark = f"polyrl-escape-{uuid.uuid4().hex}"
-    box = Sandbox(SandboxLimits(timeout_s=3, cpu_s=5, memory_mb=256, max_processes=12),
+    box = Sandbox(SandboxLimits(timeout_s=2, cpu_s=5, memory_mb=256, max_processes=12),
                   isolation="namespaces" if isolation == "namespaces" else "none")
     r = box.run(_program(_ESCAPES[escape], mark))
     left = _processes_marked(mark)

@@ -205,6 +205,7 @@ main = os.fork()
 if main == 0:
     os.close(STATUS_FD)
     os.close(report_r)
+    prctl(4, 1)  # the program itself is dumpable as usual (its own /proc files); the supervisor stays not
     for sig in QUIET:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
