@@ -121,7 +121,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Write a checkpoint's actor as an HF folder."""
     from polyrl.trainer.commands import export
 
-    out = export(args.checkpoint, args.to, args.manifest, args.overrides)
+    out = export(args.checkpoint, args.to, args.manifest, args.overrides, trust_remote_code=args.trust_remote_code,
+                 allow_run_modules=args.allow_run_modules)
     logging.getLogger("polyrl.cli").info("exported %s to %s", args.checkpoint, out)
     return 0
 
@@ -202,6 +203,10 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str, Callable[[ar
         p.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N"),
         p.add_argument("--to", required=True, help="output folder"),
         p.add_argument("--manifest", "-m", help="manifest (default: the run's manifest.lock.toml)"),
+        p.add_argument("--trust-remote-code", action="store_true", help="allow the run's config to set "
+                       "actor.model.trust_remote_code (runs Python files shipped with the model; refused otherwise)"),
+        p.add_argument("--allow-run-modules", action="store_true", help="allow the run's manifest.lock.toml to "
+                       "import the modules it names (refused otherwise)"),
         p.add_argument("overrides", nargs="*", help="key=value changes to the run's config for the export, e.g. "
                        "actor.fsdp.lora_export=adapter actor.fsdp.export_max_shard_size=2GB"))),
     "plot": (cmd_plot, "PNG curves of a run", lambda p: (

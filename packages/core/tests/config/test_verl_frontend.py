@@ -235,6 +235,16 @@ def test_plus_tilde_interpolation_and_scalar_for_list(monkeypatch):
     assert cfg.actor.optim.betas == [0.9, 0.999]
 
 
+def test_verl_values_read_from_the_environment_are_recorded_as_written(monkeypatch):
+    from polyrl.config.loader import record_dict
+
+    monkeypatch.setenv("POLYRL_TEST_SECRET", "s3cret")
+    cfg = verl([f"{ARR}.model.path=/m", f"{ARR}.rollout.name=hf", "algorithm.adv_estimator=grpo",
+                f"{ARR}.actor.ppo_micro_batch_size_per_gpu=2", "trainer.project_name=${oc.env:POLYRL_TEST_SECRET}"]).config
+    assert cfg.trainer.project_name == "s3cret"
+    assert record_dict(cfg)["trainer"]["project_name"] == "${oc.env:POLYRL_TEST_SECRET}"
+
+
 def test_native_layout_takes_the_same_grammar_and_verl_spellings(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("model:\n  path: /m\nrollout:\n  n: 3\ndata:\n  train_files: [a.jsonl]\n")

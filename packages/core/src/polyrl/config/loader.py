@@ -333,12 +333,18 @@ def from_dict(schema: type, raw: Mapping, origins: dict[str, str] | None = None,
     data: dict = _copy(raw)
     _apply_spellings(schema, data, origins)
     _share_model_block(schema, data, origins)
+    env_keys = _env_interpolations(data, "")
     plugin_blocks = _pop_plugin_blocks(schema, data)
     _coerce_scalars(schema, data, origins)
     config = build(schema, data, origins)
     check_values(config, origins)
     for section, (name, block) in plugin_blocks.items():
         getattr(config, section).plugin_config = _plugin_config(section, name, block, origins, plugins, strict_plugins)
+        plugin = name.partition(".")[2]  # the block ``actor.fsdp`` lives on as ``actor.plugin_config``
+        env_keys = {(f"{section}.plugin_config.{k[len(section) + len(plugin) + 2:]}"
+                     if k.startswith(f"{section}.{plugin}.") else k): v for k, v in env_keys.items()}
+    if env_keys:
+        object.__setattr__(config, ENV_INTERPOLATIONS, env_keys)
     return config
 
 
@@ -386,6 +392,41 @@ def _coerce_scalars(schema: type, raw: dict, origins: Mapping[str, str], prefix:
         sub = _dataclass_of(tp)
         if sub is not None and isinstance(value, dict) and not _is_free_mapping(tp):
             _coerce_scalars(sub, value, origins, path + ".")
+
+
+#: Attribute of a loaded config holding ``{dotted key: "${oc.env:...}" text}`` for values read from the environment.
+ENV_INTERPOLATIONS = "_polyrl_env_interpolations"
+
+
+def _env_interpolations(node: Any, prefix: str) -> dict[str, str]:
+    """Dotted keys whose raw value reads the environment (``${oc.env:NAME}``), with that text."""
+    found: dict[str, str] = {}
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            found.update(_env_interpolations(v, f"{prefix}{k}."))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            found.update(_env_interpolations(v, f"{prefix}{i}."))
+    elif isinstance(node, str) and "${oc.env:" in node.replace(" ", ""):
+        found[prefix[:-1]] = node
+    return found
+
+
+def _with_env_text(data: dict, config: Any) -> dict:
+    """``data`` (a plain dict of ``config``) with every value read from the environment put back as its
+    ``${oc.env:...}`` text, so what a run records holds no secret and still resolves when loaded again."""
+    for key, text in getattr(config, ENV_INTERPOLATIONS, {}).items():
+        *parents, leaf = key.split(".")
+        node: Any = data
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node.get(part) if isinstance(node, dict) else None
+            if node is None:
+                break
+        if isinstance(node, dict) and leaf in node:
+            node[leaf] = text
+        elif isinstance(node, list) and leaf.isdigit() and int(leaf) < len(node):
+            node[int(leaf)] = text
+    return data
 
 
 def check_values(config: Any, origins: Mapping[str, str] | None = None) -> None:
@@ -481,6 +522,12 @@ def to_dict(config: Any) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
 
 
+def record_dict(config: Any) -> dict:
+    """:func:`to_dict` as a run records it (``config.yaml``, the checkpoint's state, the trackers): values read
+    from the environment (``${oc.env:NAME}``) kept as that text, never as the value (a secret)."""
+    return _with_env_text(to_dict(config), config)
+
+
 def to_yaml(config: Any) -> str:
-    """YAML text of a config instance, as written into the run directory."""
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+    """YAML text of a config instance, as written into the run directory (see :func:`record_dict`)."""
+    return OmegaConf.to_yaml(OmegaConf.create(record_dict(config)))

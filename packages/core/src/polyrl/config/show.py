@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from polyrl.config.loader import LoadedConfig, load_with_origins, to_dict
+from polyrl.config.loader import LoadedConfig, load_with_origins, record_dict
 
 #: Sections with a plugin block, and the field naming the plugin.
 _PLUGIN_SECTIONS = {"actor": "engine", "critic": "engine", "ref": "engine", "rollout": "name", "trainer": "name"}
@@ -43,8 +43,8 @@ def show(manifest: str | Path | None = None, configs: Sequence[str | Path] = (),
 
 def native_tree(config: Any) -> dict:
     """``config`` as a nested dict in the layout a YAML file uses: each ``plugin_config`` under its plugin's
-    name (``actor.fsdp``, ``rollout.vllm``)."""
-    tree = to_dict(config)
+    name (``actor.fsdp``, ``rollout.vllm``); values read from the environment as their ``${oc.env:...}`` text."""
+    tree = record_dict(config)
     for section, name_key in _PLUGIN_SECTIONS.items():
         block = tree.get(section)
         if not isinstance(block, dict) or "plugin_config" not in block:

@@ -16,6 +16,7 @@ import copy
 import difflib
 import functools
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
@@ -371,7 +372,7 @@ def to_native(files: Sequence[str | Path] = (), overrides: Sequence[str] = (), *
     view = table.VerlView(values, origins)
     defaults = _verl_defaults()
     warnings = _check_keys(view, known, defaults)
-    native, native_origins = _map(view)
+    native, native_origins = _map(view, flatten(tree))
     return unflatten(native), native_origins, warnings
 
 
@@ -436,7 +437,13 @@ def _exact(entry: table.Entry, key: str) -> bool:
     return entry.verl == key
 
 
-def _map(view: table.VerlView) -> tuple[dict[str, Any], dict[str, str]]:
+#: A value that is only environment reads (``${oc.env:TOKEN}``, ``${oc.env:HOME}/data``).
+_ENV_ONLY = re.compile(r"^(?:[^$]|\$(?!\{))*(?:\$\{oc\.env:[^${}]*\}(?:[^$]|\$(?!\{))*)+$")
+
+
+def _map(view: table.VerlView, raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The polyrl keys the table's mapped entries give ``view``, with their origins. A value copied as it is
+    that only reads the environment keeps its ``${oc.env:...}`` text, so the run records it, not the secret."""
     native: dict[str, Any] = {}
     origins: dict[str, str] = {}
     user_set: dict[str, bool] = {}
@@ -452,7 +459,12 @@ def _map(view: table.VerlView) -> tuple[dict[str, Any], dict[str, str]]:
             continue
         from_user = view.user_set(key)
         where = _first_origin(view.origins, key)
-        for target, value in entry.apply(view.get(key), view).items():
+        text = raw.get(key)
+        if entry.convert is None and isinstance(text, str) and _ENV_ONLY.match(text):
+            updates = {entry.native: text}  # resolved by the native loader, recorded as written
+        else:
+            updates = entry.apply(view.get(key), view)
+        for target, value in updates.items():
             if value is table.SKIP:
                 continue
             if target in native and native[target] != value:

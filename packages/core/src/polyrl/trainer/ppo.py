@@ -28,7 +28,7 @@ from tensordict import TensorDict
 from polyrl import batch as batch_ops
 from polyrl.agent_loops.runner import agent_metrics, fold_tool_rewards
 from polyrl.algorithms import masked_mean
-from polyrl.config.loader import to_dict, to_yaml
+from polyrl.config.loader import record_dict, to_dict, to_yaml
 from polyrl.errors import ConfigError
 from polyrl.logs import progress_bar, setup_run_logging
 from polyrl.manifest import Manifest
@@ -306,8 +306,18 @@ class PPOTrainer:
             cfg.rollout.response_length = cfg.data.max_response_length
         cfg.rollout.prompt_length = cfg.data.max_prompt_length
 
-    def _write_run_files(self) -> None:
-        """The resolved config and a manifest pinning every loaded plugin distribution, for reruns."""
+    def _select_platform(self) -> Any:
+        """Choose the platform every worker binds (``trainer.device`` resolved); nothing is written yet."""
+        from polyrl.platforms import select_platform
+
+        choice = select_platform(self.config.trainer.device, self.pm)  # logged; raises if a named one is absent
+        self.config.trainer.device = choice.name  # every worker binds the platform chosen (and recorded) here
+        return choice
+
+    def _write_run_files(self, platform_choice: Any) -> None:
+        """The resolved config, a manifest pinning every loaded plugin distribution (for reruns) and the
+        platform record. Written only once a resume was accepted, so a refused one leaves the run's files as
+        they were."""
         (self.run_dir / "config.yaml").write_text(to_yaml(self.config))
         loaded = sorted({(p["distribution"], p["version"]) for p in self.pm.describe()
                          if p["distribution"] and p["distribution"] != "polyrl"})
@@ -317,11 +327,7 @@ class PPOTrainer:
             block=self.manifest.block if self.manifest else (),
         )
         (self.run_dir / "manifest.lock.toml").write_text(lock.to_toml())
-        from polyrl.platforms import select_platform
-
-        choice = select_platform(self.config.trainer.device, self.pm)  # logged; raises if a named one is absent
-        choice.write(self.run_dir)  # platform.json: the platform, why, and what each probe answered
-        self.config.trainer.device = choice.name  # every worker binds the platform chosen (and recorded) here
+        platform_choice.write(self.run_dir)  # platform.json: the platform, why, and what each probe answered
 
     def _sampling(self, validate: bool = False) -> SamplingParams:
         r = self.config.rollout
@@ -347,11 +353,16 @@ class PPOTrainer:
         try:
             setup_run_logging(self.run_dir)  # RUN_DIR/train.log, appended on resume
             resume_from = self._resume_point()
-            self._write_run_files()
+            platform_choice = self._select_platform()
             self.groups = build_role_groups(cfg, manifest=self.manifest, use_ref=self.use_ref, worker_cls=self.worker_cls,
                                             use_critic=self.use_critic, run_dir=self.run_dir)
+            if resume_from is not None:
+                # the engines check the checkpoint (engine, model, world size) before any run file changes
+                self._load(resume_from)
+                self._drop_later_metrics(resume_from)
+            self._write_run_files(platform_choice)
             tracker = Tracker(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
-                              experiment=cfg.trainer.experiment_name, config=to_dict(cfg),
+                              experiment=cfg.trainer.experiment_name, config=record_dict(cfg),
                               resume=resume_from is not None)
         except BaseException:
             if self.groups is not None:
@@ -361,9 +372,7 @@ class PPOTrainer:
         last_val: dict[str, float] = {}
         metrics: dict[str, float] = {}
         try:
-            if resume_from is not None:
-                self._load(resume_from)
-            else:
+            if resume_from is None:
                 self.groups.sync_weights()
             if self.val_set is not None and cfg.trainer.val_before_train and resume_from is None:
                 last_val = self._run_validation()
@@ -513,17 +522,20 @@ class PPOTrainer:
             log.warning("could not write %s: %s", self.run_dir / "report.html", exc)
 
     def _resume_point(self) -> Path | None:
-        """The checkpoint to continue from (checked against this config), with metrics after it dropped."""
+        """The checkpoint to continue from: intact (files verified) and trained with this config."""
         resume_from = resolve_resume(self.config.trainer.resume, self.ckpt)
         if resume_from is None:
             return None
         state = read_state(resume_from)
         self._check_resume_config(state, resume_from)
-        dropped = truncate_metrics(self.run_dir, state["global_step"])
+        return resume_from
+
+    def _drop_later_metrics(self, resume_from: Path) -> None:
+        step = read_state(resume_from)["global_step"]
+        dropped = truncate_metrics(self.run_dir, step)
         if dropped:
             log.info("dropped %d metrics lines logged after step %d by the interrupted run; those steps run again",
-                     dropped, state["global_step"])
-        return resume_from
+                     dropped, step)
 
     def _check_resume_config(self, state: dict[str, Any], path: Path) -> None:
         """Refuse to resume with a config that differs from the checkpoint's, except in keys the user allowed
@@ -533,7 +545,10 @@ class PPOTrainer:
             log.warning("checkpoint %s stores no config; resuming without checking that the config is unchanged", path)
             return
         allowed = list(self.config.trainer.resume_override)
-        diffs = config_differences(saved, to_dict(self.config), allowed)
+        # a key read from the environment is recorded as its ${oc.env:...} text (checkpoints of older polyrl
+        # versions hold the value): it differs only when it differs both ways
+        resolved = {k for k, _, _ in config_differences(saved, to_dict(self.config), allowed)}
+        diffs = [d for d in config_differences(saved, record_dict(self.config), allowed) if d[0] in resolved]
         if diffs:
             shown = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in diffs[:10])
             more = f" (and {len(diffs) - 10} more)" if len(diffs) > 10 else ""
@@ -543,7 +558,7 @@ class PPOTrainer:
                 f"Resume with the same values, allow the change with trainer.resume_override=[{keys}], or start a new "
                 "run (another trainer.run_dir, or trainer.resume=disable)."
             )
-        changed = [k for k, _, _ in config_differences(saved, to_dict(self.config))]
+        changed = [k for k, _, _ in config_differences(saved, record_dict(self.config))]
         if changed:
             log.warning("resuming with changed config keys (allowed by trainer.resume_override): %s", ", ".join(changed))
 
@@ -754,7 +769,7 @@ class PPOTrainer:
             "numpy_rng": _encode_rng(np.random.get_state()),
             "torch_rng": self._torch_rng(),
             "kl_coef": getattr(self.kl_ctrl, "value", None),
-            "config": to_dict(self.config),  # a resume with another config is refused unless allowed
+            "config": record_dict(self.config),  # a resume with another config is refused unless allowed
         }
 
         def save_all(path: str) -> None:

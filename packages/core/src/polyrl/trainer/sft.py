@@ -16,7 +16,7 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from polyrl.config.loader import to_dict, to_yaml
+from polyrl.config.loader import record_dict, to_yaml
 from polyrl.errors import DataError
 from polyrl.logs import progress_bar, setup_run_logging
 from polyrl.manifest import Manifest
@@ -113,7 +113,7 @@ class SFTTrainer:
                                   role_kind="sft")
         group = started.group
         tracker = Tracker(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
-                          experiment=cfg.trainer.experiment_name, config=to_dict(cfg))
+                          experiment=cfg.trainer.experiment_name, config=record_dict(cfg))
         bs = cfg.data.train_batch_size
         rng = random.Random(cfg.data.seed)
         order: list[int] = []
