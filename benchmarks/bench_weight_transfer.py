@@ -31,7 +31,7 @@ def bench_size(size: str, root: Path, args: argparse.Namespace) -> dict:
     from polyrl.manifest import Manifest
     from polyrl.models.tiny import make_tiny_model
     from polyrl.plugins import activate
-    from polyrl.trainer.workers import build_role_groups
+    from polyrl.trainer.role_groups import build_role_groups
 
     model = make_tiny_model(root / size, size=size, seed=0)
     manifest = Manifest.from_dict({"plugins": {"require": ["polyrl-engine-fsdp>=0.1,<0.2"]}})

@@ -12,8 +12,8 @@ def test_collective_weight_transfer_matches_the_object_store(base_overrides, man
     from polyrl.config.loader import load_config
     from polyrl.config.schema import PolyrlConfig
     from polyrl.trainer.commands import _plugins
+    from polyrl.trainer.role_groups import build_role_groups
     from polyrl.trainer.weight_transfer import CollectiveWeightSync
-    from polyrl.trainer.workers import build_role_groups
 
     manifest, pm = _plugins(manifest_file)
     config = load_config(PolyrlConfig, [], base_overrides + [

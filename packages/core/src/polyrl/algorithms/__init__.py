@@ -36,16 +36,15 @@ if TYPE_CHECKING:
         compute_rloo_outcome_advantage,
         compute_rloo_vectorized_outcome_advantage,
     )
-    from polyrl.algorithms.core import (
+    from polyrl.algorithms.aggregation import agg_loss
+    from polyrl.algorithms.kl import (
         AdaptiveKLController,
         FixedKLController,
-        agg_loss,
         apply_kl_penalty,
-        compute_entropy_loss,
-        compute_value_loss,
         get_kl_controller,
         kl_penalty,
     )
+    from polyrl.algorithms.loss_terms import compute_entropy_loss, compute_value_loss
     from polyrl.algorithms.policy_losses import (
         compute_policy_loss_bypass_mode,
         compute_policy_loss_cispo,
@@ -75,9 +74,10 @@ if TYPE_CHECKING:
 #: public name -> module, imported on first use (PEP 562) so that loading ``polyrl.algorithms.hooks``
 #: (``polyrl plugins``) does not import torch
 _LAZY: dict[str, str] = {
-    **dict.fromkeys(("AdaptiveKLController", "FixedKLController", "agg_loss", "apply_kl_penalty",
-                     "compute_entropy_loss", "compute_value_loss", "get_kl_controller", "kl_penalty"),
-                    "polyrl.algorithms.core"),
+    "agg_loss": "polyrl.algorithms.aggregation",
+    **dict.fromkeys(("AdaptiveKLController", "FixedKLController", "apply_kl_penalty", "get_kl_controller", "kl_penalty"),
+                    "polyrl.algorithms.kl"),
+    **dict.fromkeys(("compute_entropy_loss", "compute_value_loss"), "polyrl.algorithms.loss_terms"),
     **dict.fromkeys(("clip_by_value", "entropy_from_logits", "logprobs_from_logits", "masked_mean", "masked_sum",
                      "masked_var", "masked_whiten"), "polyrl.algorithms.torch_functional"),
     **dict.fromkeys(("compute_gae_advantage_return", "compute_gdpo_outcome_advantage",

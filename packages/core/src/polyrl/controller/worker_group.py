@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from tensordict import TensorDict
 
 from polyrl import batch as batch_ops
-from polyrl.platforms.placement import node_local_ranks
+from polyrl.platforms.devices import node_local_ranks
 
 
 class WorkerGroup(Protocol):
@@ -168,7 +168,7 @@ class RayWorkerGroup:
                 "lower trainer.n_workers / trainer.rollout_workers, or relax trainer.placement_strategy") from None
         env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
         # Each worker learns its position on its node as LOCAL_RANK (torchrun's convention); the platform
-        # binds the device from it and from the device ids Ray assigned (polyrl.platforms.placement).
+        # binds the device from it and from the device ids Ray assigned (polyrl.platforms.devices).
         nodes = _bundle_nodes(self.placement_group, world_size)
         #: The Ray node id of each rank (rollout replicas must not span nodes: polyrl.rollout.replicas).
         self.node_ids = nodes

@@ -42,8 +42,8 @@ from polyrl.trainer.checkpoint import (
     truncate_metrics,
 )
 from polyrl.trainer.faults import fault_point
+from polyrl.trainer.role_groups import RoleGroups, build_role_groups
 from polyrl.trainer.run_dir import RunDirLock, prepare_run_dir
-from polyrl.trainer.workers import RoleGroups, build_role_groups
 
 log = logging.getLogger("polyrl")
 
@@ -124,7 +124,7 @@ class PPOTrainer:
                 "(docs/algorithms.md)")
         if "old_log_probs" in estimator_inputs:  # estimators that read the old policy's log-probs
             self.skip_old_log_prob = False
-        from polyrl.trainer.async_rollout import configure_async_mode, make_rollout_source
+        from polyrl.trainer.sample_sources import configure_async_mode, make_rollout_source
 
         configure_async_mode(self)  # trainer.async_mode: placement checked, TIS on the policy gap (docs/async.md)
         self.rollout_corr = self._configure_rollout_correction()

@@ -169,7 +169,7 @@ class Worker:
 
     def rollout_device_ids(self) -> list[str]:
         """The accelerator ids Ray assigned to this worker (``[]`` on CPU or outside Ray)."""
-        from polyrl.platforms.placement import ray_accelerator_ids
+        from polyrl.platforms.devices import ray_accelerator_ids
 
         return ray_accelerator_ids(self.platform.ray_resource)
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 from tensordict import TensorDict
 
-from polyrl.trainer.async_rollout import StreamingSource, _Group
+from polyrl.trainer.sample_sources import StreamingSource, _Group
 
 
 def _source(batch_groups: int = 4, staleness: int = 1, step: int = 3) -> StreamingSource:

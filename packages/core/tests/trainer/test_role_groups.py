@@ -6,7 +6,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from polyrl.trainer.workers import _RAY_SOCKET_SUFFIX, _UNIX_SOCKET_MAX, ray_temp_dir
+from polyrl.trainer.role_groups import _RAY_SOCKET_SUFFIX, _UNIX_SOCKET_MAX, ray_temp_dir
 
 
 def test_ray_temp_dir_is_under_the_run_dir_when_it_fits():
