@@ -235,68 +235,59 @@ class Worker:
             max_response_length=data.max_response_length,
         )
 
+    # ------------------------------------------------------------------ weight sync (polyrl.trainer.weight_sync)
+    @property
+    def _bucket_bytes(self) -> int:
+        return int(self.config.trainer.weight_bucket_mb) << 20
+
     def sync_rollout_weights(self) -> dict[str, float]:
         """Colocated: stream the actor's weights into this process's rollout, bucket by bucket."""
-        import time
+        from polyrl.trainer.weight_sync import stream_into_rollout
 
-        start = time.perf_counter()
-        if self.rollout is not None:
-            self.rollout.wake_up()
-        count = 0
-        # every actor rank iterates (the gather is collective); a rank lending its device to a
-        # tensor-parallel replica has no rollout: its replica's leader forwards the weights to every TP rank
-        for bucket in self.actor.weights_for_rollout(self.config.trainer.weight_bucket_mb << 20):
-            if self.rollout is not None:
-                self.rollout.update_weights(bucket)
-            count += len(bucket)
-        return {"timing/weight_sync": time.perf_counter() - start, "weight_sync/tensors": float(count)}
+        return stream_into_rollout(self.actor, self.rollout, self._bucket_bytes)
 
     def gather_weights(self) -> list[list[tuple[str, Any]]] | None:
         """Split placement: every actor rank iterates (collective); rank 0 returns the buckets."""
-        buckets = [
-            [(n, t.detach().cpu()) for n, t in bucket]
-            for bucket in self.actor.weights_for_rollout(self.config.trainer.weight_bucket_mb << 20)
-        ]
-        return buckets if self.rank == 0 else None
+        from polyrl.trainer.weight_sync import gather_buckets
+
+        return gather_buckets(self.actor, self._bucket_bytes, keep=self.rank == 0)
 
     def load_rollout_weights(self, buckets: list[list[tuple[str, Any]]]) -> None:
         """Split placement: load buckets gathered from the actor group (on a replica's leader)."""
-        if self.rollout is None:
-            return
-        self.rollout.wake_up()
-        for bucket in buckets:
-            self.rollout.update_weights(bucket)
+        from polyrl.trainer.weight_sync import load_buckets
+
+        load_buckets(self.rollout, buckets)
 
     def join_weight_group(self, address: str, port: int, rank: int, size: int) -> None:
         """Split placement, ``trainer.weight_transfer=collective``: join the group of actor rank 0 and the
-        rollout replicas' leaders (:mod:`polyrl.trainer.weight_transfer`)."""
-        from polyrl.trainer.weight_transfer import join_weight_group
+        rollout replicas' leaders (:mod:`polyrl.trainer.weight_sync`)."""
+        from polyrl.trainer.weight_sync import join_weight_group
 
         self.weight_group = join_weight_group(self.platform, address, port, rank, size)
 
     def send_weights(self) -> dict[str, float]:
         """Collective transfer, actor side: every rank gathers, rank 0 broadcasts the buckets."""
-        from polyrl.trainer.weight_transfer import send_weights
+        from polyrl.trainer.weight_sync import send_weights
 
         sender = getattr(self, "_weight_sender", None)
         if sender is not None:  # a background send on the same group must be through first
             sender.wait()
-        return send_weights(self.actor, getattr(self, "weight_group", None), self.config.trainer.weight_bucket_mb << 20)
+        return send_weights(self.actor, getattr(self, "weight_group", None), self._bucket_bytes)
 
     def start_weight_send(self) -> dict[str, float]:
         """Collective transfer that does not hold the actor up (``fully_async``): every rank gathers, rank 0
         keeps a packed copy and broadcasts it from a thread of its own
-        (:class:`~polyrl.trainer.weight_transfer.BackgroundSender`); waits first for its previous send."""
-        from polyrl.trainer.weight_transfer import BackgroundSender
+        (:class:`~polyrl.trainer.weight_sync.BackgroundSender`); waits first for its previous send."""
+        from polyrl.trainer.weight_sync import BackgroundSender
 
         sender = getattr(self, "_weight_sender", None)
         if sender is None:
             sender = self._weight_sender = BackgroundSender()
-        return sender.submit(self.actor, getattr(self, "weight_group", None), self.config.trainer.weight_bucket_mb << 20)
+        return sender.submit(self.actor, getattr(self, "weight_group", None), self._bucket_bytes)
 
     def receive_weights(self) -> dict[str, float]:
         """Collective transfer, rollout side (a replica's leader): load the buckets as they arrive."""
-        from polyrl.trainer.weight_transfer import receive_weights
+        from polyrl.trainer.weight_sync import receive_weights
 
         if self.rollout is not None:
             self.rollout.wake_up()
