@@ -471,20 +471,26 @@ class AdvantageEstimator(Protocol):
 
 
 class PolicyLoss(Protocol):
-    """verl's policy loss signature, and what the trainer passes to it.
+    """verl's policy loss signature, plus the two keywords polyrl's trainer passes.
 
     The trainer calls ``fn(old_log_prob, log_prob, advantages, response_mask,
-    loss_agg_mode, config, **optional)`` for each micro-batch. ``config`` carries
-    verl's actor fields (``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``,
-    ``clip_ratio_c``, ``policy_loss.*``) and is read by attribute, by ``.get(key,
-    default)``, or as a mapping; it also holds verl's ``global_batch_info``
-    (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``).
-    ``optional`` holds only the keywords the function's signature accepts (all of
-    them for ``**kwargs``), so verl's own losses run unchanged:
+    loss_agg_mode, config, rollout_log_probs=..., loss_scale=..., rollout_is_weights=...)``
+    for each micro-batch. ``config`` carries verl's actor fields (``clip_ratio``,
+    ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``, ``policy_loss.*``) and is read
+    by attribute, by ``.get(key, default)``, or as a mapping; it also holds verl's
+    ``global_batch_info`` (``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
+    ``loss_scale_factor``). The keywords, each ``None`` when it does not apply:
 
-    - ``loss_scale`` (:class:`LossScale`): normalise by the mini-batch's global counts (see ``agg_loss``);
-    - ``rollout_is_weights``: rollout-correction importance weights ``[B, R]`` (multiply the per-token loss);
-    - ``rollout_log_probs``: the rollout's log-probs, for the legacy ``tis_imp_ratio_cap``.
+    - ``rollout_log_probs``: the rollout's log-probs ``[B, R]``, for the legacy ``tis_imp_ratio_cap``;
+    - ``loss_scale`` (:class:`LossScale`): normalise by the mini-batch's global counts (see ``agg_loss``),
+      so micro-batches and data-parallel ranks add up to the whole mini-batch's loss;
+    - ``rollout_is_weights``: rollout-correction importance weights ``[B, R]`` (multiply the per-token
+      loss; detached).
+
+    A loss written for verl declares only some of them (verl 0.5: ``rollout_log_probs``; verl main:
+    ``rollout_is_weights``): :func:`polyrl.algorithms.get_policy_loss_fn` adapts it once, at look-up, to
+    this signature, passing it only what it declares (it then reads the global counts from
+    ``config.global_batch_info``).
 
     Returns ``(loss, metrics)`` with a scalar loss and float metrics (``pg_clipfrac``,
     ``ppo_kl``...; bare names get an ``actor/`` prefix, names with a ``/`` are kept).
@@ -499,6 +505,9 @@ class PolicyLoss(Protocol):
         loss_agg_mode: str = "token-mean",
         config: Any = None,
         rollout_log_probs: torch.Tensor | None = None,
+        *,
+        loss_scale: LossScale | None = None,
+        rollout_is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, Any]]: ...
 
 

@@ -44,6 +44,7 @@ from polyrl.trainer.checkpoint import (
 from polyrl.trainer.faults import fault_point
 from polyrl.trainer.role_groups import RoleGroups, build_role_groups
 from polyrl.trainer.run_dir import RunDirLock, prepare_run_dir
+from polyrl.trainer.updates import single_update_pass
 
 log = logging.getLogger("polyrl")
 
@@ -112,7 +113,7 @@ class PPOTrainer:
         if mode not in ("auto", "always"):
             raise ConfigError(f"actor.recompute_old_log_prob={mode!r}: choose 'auto' or 'always'")
         # on-policy: the one update pass sees the policy that generated the batch (verl's dp_actor does the same)
-        on_policy = cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+        on_policy = single_update_pass(cfg.actor.ppo_epochs, cfg.actor.ppo_mini_batch_size, cfg.data.train_batch_size)
         self.skip_old_log_prob = mode == "auto" and on_policy and not cfg.algorithm.use_kl_in_reward
         estimator_inputs = inspect.signature(self.adv_fn).parameters
         if "sum_pi_squared" in estimator_inputs:

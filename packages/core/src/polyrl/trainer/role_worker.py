@@ -323,24 +323,53 @@ class Worker:
         from polyrl.trainer.losses import make_actor_loss
 
         cfg = self.config.actor
-        rows = cfg.ppo_mini_batch_size * self.config.rollout.n // self.actor.dp_size
-        on_policy = "old_log_probs" not in batch.keys()
-        if on_policy and (cfg.ppo_epochs > 1 or rows < batch.batch_size[0]):
-            raise RuntimeError(
-                "update_actor got no old_log_probs but runs more than one pass over the batch "
-                f"(actor.ppo_epochs={cfg.ppo_epochs}, {batch.batch_size[0] // max(1, rows)} mini-batches): "
-                "compute them first (compute_log_prob)")
-        loss = make_actor_loss(cfg, on_policy=on_policy)
-        return _run_epochs(self.actor, batch, rows, cfg.ppo_epochs, loss, cfg.shuffle, self.actor.dp_rank,
-                           temperature=self.config.rollout.temperature)
+        loss = make_actor_loss(cfg, on_policy=self.update_is_on_policy(batch))
+        return self.run_update_epochs(self.actor, batch, loss, cfg, shuffle=cfg.shuffle,
+                                      temperature=self.config.rollout.temperature)
 
     def update_critic(self, batch: TensorDict) -> dict[str, float]:
         """Value-loss epochs over mini-batches of this rank's shard."""
         from polyrl.trainer.losses import make_critic_loss
 
         cfg = self.config.critic
-        rows = cfg.ppo_mini_batch_size * self.config.rollout.n // self.critic.dp_size
-        return _run_epochs(self.critic, batch, rows, cfg.ppo_epochs, make_critic_loss(cfg), False, self.critic.dp_rank)
+        return self.run_update_epochs(self.critic, batch, make_critic_loss(cfg), cfg, shuffle=False)
+
+    # -- the update epochs (polyrl.trainer.updates), for subclasses that bring their own loss
+    def mini_batch_rows(self, engine: Any, role_config: Any) -> int:
+        """Rows of one mini-batch on this rank: ``role_config.ppo_mini_batch_size`` prompts x ``rollout.n``
+        samples over ``engine``'s data-parallel ranks."""
+        from polyrl.trainer.updates import mini_batch_rows
+
+        return mini_batch_rows(role_config.ppo_mini_batch_size, self.config.rollout.n, engine.dp_size)
+
+    def update_is_on_policy(self, batch: TensorDict) -> bool:
+        """Whether the actor update of ``batch`` is on-policy: the trainer sent no ``old_log_probs`` because the
+        update is one pass over one mini-batch (:func:`polyrl.trainer.updates.single_update_pass`), so the
+        current log-probs, detached, are the old ones. Raises if the batch lacks them but the update would make
+        more than one pass."""
+        from polyrl.trainer.updates import single_update_pass
+
+        if "old_log_probs" in batch.keys():
+            return False
+        cfg = self.config.actor
+        rows = self.mini_batch_rows(self.actor, cfg)
+        if not single_update_pass(cfg.ppo_epochs, rows, batch.batch_size[0]):
+            raise RuntimeError(
+                "update_actor got no old_log_probs but runs more than one pass over the batch "
+                f"(actor.ppo_epochs={cfg.ppo_epochs}, {batch.batch_size[0] // max(1, rows)} mini-batches): "
+                "compute them first (compute_log_prob)")
+        return True
+
+    def run_update_epochs(self, engine: Any, batch: TensorDict, loss_fn: Any, role_config: Any, *,
+                          shuffle: bool = False, temperature: float = 1.0) -> dict[str, float]:
+        """``role_config.ppo_epochs`` passes over ``batch`` (this rank's shard) in mini-batches of
+        :meth:`mini_batch_rows`, one ``engine.train_batch(mini_batch, loss_fn, temperature=...)`` each;
+        ``shuffle`` reorders the rows every pass (seeded by the engine's ``dp_rank`` and the epoch). Returns the
+        metrics averaged over the optimizer steps (:func:`polyrl.trainer.updates.run_update_epochs`)."""
+        from polyrl.trainer.updates import run_update_epochs
+
+        return run_update_epochs(engine, batch, self.mini_batch_rows(engine, role_config), role_config.ppo_epochs,
+                                 loss_fn, shuffle=shuffle, seed=engine.dp_rank, temperature=temperature)
 
     def sft_step(self, batch: TensorDict) -> dict[str, float]:
         """One supervised optimizer step (``polyrl sft``)."""
@@ -416,22 +445,3 @@ def _barrier() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-def _run_epochs(engine: Any, batch: TensorDict, rows: int, epochs: int, loss_fn: Any, shuffle: bool, seed: int,
-                *, temperature: float = 1.0) -> dict:
-    import torch
-
-    size = batch.batch_size[0]
-    rows = max(1, min(rows, size))
-    sums: dict[str, float] = {}
-    steps = 0
-    for epoch in range(epochs):
-        order = torch.randperm(size, generator=torch.Generator().manual_seed(seed * 1000 + epoch)) if shuffle else None
-        data = batch[order] if order is not None else batch
-        for start in range(0, size - rows + 1, rows):
-            metrics = engine.train_batch(data[start : start + rows], loss_fn, temperature=temperature)
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-            steps += 1
-    return {k: v / max(1, steps) for k, v in sums.items()}
