@@ -58,7 +58,8 @@ class PPOTrainer:
     One loop for every model kind: a plugin trainer (chosen by ``trainer.name``, registered with
     ``register_trainers``) subclasses this class and overrides only what differs — :attr:`worker_cls`,
     :meth:`build_tokenizer`, :meth:`build_datasets`, :meth:`build_reward_fn`, :meth:`batch_metrics`,
-    :meth:`balance_lengths`, :meth:`throughput_metrics`, :meth:`validate` (docs/plugins/index.md).
+    :meth:`balance_lengths`, :meth:`throughput_metrics`, :meth:`validate`, :meth:`next_rows`, and calls
+    :meth:`sampling_params`, :meth:`generate_batch`, :meth:`pad_rows` (docs/plugins/trainers.md).
     """
 
     #: The worker class the role groups run (a subclass of :class:`polyrl.trainer.role_worker.Worker`).
@@ -267,7 +268,9 @@ class PPOTrainer:
         choice.write(self.run_dir)  # platform.json: the platform, why, and what each probe answered
         self.config.trainer.device = choice.name  # every worker binds the platform chosen (and recorded) here
 
-    def _sampling(self, validate: bool = False) -> SamplingParams:
+    def sampling_params(self, validate: bool = False) -> SamplingParams:
+        """How the rollout samples this step (``rollout.*``; one seed per step) or, with ``validate``, for
+        validation (``rollout.val_*``, one sample per prompt)."""
         r = self.config.rollout
         if validate:
             return SamplingParams(temperature=r.val_temperature, top_p=r.val_top_p, top_k=-1,
@@ -377,7 +380,9 @@ class PPOTrainer:
         if changed:
             log.warning("resuming with changed config keys (allowed by trainer.resume_override): %s", ", ".join(changed))
 
-    def _next_rows(self) -> list[dict]:
+    def next_rows(self) -> list[dict]:
+        """The next ``data.train_batch_size`` prompt rows from the data loader (a new epoch starts when one ends).
+        A plugin trainer may override it to annotate the rows (calling ``super().next_rows()``)."""
         try:
             return next(self._iter)
         except (AttributeError, StopIteration):
@@ -401,7 +406,7 @@ class PPOTrainer:
         while True:
             gen_rounds += 1
             with _timer(timing, "gen"):  # async modes: the wait for samples generated meanwhile
-                # sync: self._generate(self._next_rows(), n, ...); fully_async takes only the groups still missing
+                # sync: self.generate_batch(self.next_rows(), n, ...); fully_async takes only the groups still missing
                 batch = self.rollout_source.next_batch(cfg.data.train_batch_size - kept_groups)
             with _timer(timing, "reward"):
                 out = self.reward_fn(batch)
@@ -512,14 +517,23 @@ class PPOTrainer:
             self.kl_ctrl.update(metrics.get("actor/reward_kl_penalty", 0.0), n_steps=batch.batch_size[0])
         return metrics
 
-    def _generate(self, rows: list[dict], n: int, *, validate: bool) -> TensorDict:
+    def generate_batch(self, rows: list[dict], n: int, *, validate: bool) -> TensorDict:
+        """``n`` samples of each of ``rows`` from the rollout group (:meth:`sampling_params`), with the row fields
+        the reward manager reads (``uid``, ``data_source``, ``ground_truth``, ``extra_info``)."""
         samples = [row for row in rows for _ in range(n)]
-        batch = self.groups.generate(samples, self._sampling(validate))
+        batch = self.groups.generate(samples, self.sampling_params(validate))
         batch_ops.set_non_tensor(batch, "uid", [s["uid"] for s in samples])
         batch_ops.set_non_tensor(batch, "data_source", [s.get("data_source", "") for s in samples])
         batch_ops.set_non_tensor(batch, "ground_truth", [(s.get("reward_model") or {}).get("ground_truth") for s in samples])
         batch_ops.set_non_tensor(batch, "extra_info", [s.get("extra_info") or {} for s in samples])
         return batch
+
+    def pad_rows(self, rows: list[dict]) -> list[dict]:
+        """``rows`` followed by copies of the last one, marked ``_pad: True``, up to a multiple of the rollout
+        ranks, so that every rank generates an equal share (validation batches of any size); leave out the
+        results of the marked rows."""
+        extra = (-len(rows)) % self.groups.rollout.world_size
+        return rows + [dict(rows[-1], _pad=True) for _ in range(extra)]
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
@@ -537,8 +551,8 @@ class PPOTrainer:
         for rows in loader:
             rows = rows[: size - seen]
             seen += len(rows)
-            rows = _pad_rows(rows, self.groups.rollout.world_size)
-            batch = self._generate(rows, k, validate=True)
+            rows = self.pad_rows(rows)
+            batch = self.generate_batch(rows, k, validate=True)
             out = self.reward_fn(batch)
             correct = out.extra.get("acc") or [float(s > 0) for s in out.token_level_scores.sum(-1).tolist()]
             sources = batch_ops.non_tensor(batch, "data_source")
@@ -681,11 +695,6 @@ def _fit_to_groups(batch: TensorDict, groups: int, n: int, n_workers: int, mini:
             "rewards. Raise algorithm.filter_groups.max_num_gen_batches or check the reward function."
         )
     return batch[: take * n]
-
-
-def _pad_rows(rows: list[dict], multiple: int) -> list[dict]:
-    extra = (-len(rows)) % multiple
-    return rows + [dict(rows[-1], _pad=True) for _ in range(extra)]
 
 
 def _encode_rng(state: Any) -> Any:

@@ -178,7 +178,7 @@ class RolloutSource:
         still needs (fewer in dynamic sampling's later rounds); a source that generates whole batches
         (``sync``, ``one_step_off_policy``) returns a batch's worth anyway."""
         t = self.trainer
-        return t._generate(t._next_rows(), self.n, validate=False)
+        return t.generate_batch(t.next_rows(), self.n, validate=False)
 
     def push_weights(self) -> None:
         """After the actor update: the rollout gets the new weights."""
@@ -241,14 +241,14 @@ class OneStepOffPolicySource(RolloutSource):
     def _issue(self, rows: list[dict], ahead: int) -> None:
         t = self.trainer
         # the seed a sync run gives the step these prompts are trained in
-        sampling = t._sampling().replace(seed=t.config.trainer.seed * 1_000_003 + t.global_step + ahead)
+        sampling = t.sampling_params().replace(seed=t.config.trainer.seed * 1_000_003 + t.global_step + ahead)
         self._pending = _submit_generate(t.groups.rollout, rows, self.n, sampling)
         self._pending_rows, self._pending_version = rows, self.version
 
     def next_batch(self, groups: int | None = None) -> TensorDict:
         t = self.trainer
         if self._pending is None:  # first step (or first after resume): nothing prefetched
-            rows = self._restored_rows or t._next_rows()
+            rows = self._restored_rows or t.next_rows()
             self._restored_rows = None
             self._issue(rows, 0)
         refs, version = self._pending, self._pending_version
@@ -257,7 +257,7 @@ class OneStepOffPolicySource(RolloutSource):
         batch = batch_ops.concat([b for b, _ in parts]) if len(parts) > 1 else parts[0][0]
         self._pending = None
         # the next step's generation starts now, on the weights the rollout holds (this step's trains meanwhile)
-        self._issue(t._next_rows(), 1)
+        self._issue(t.next_rows(), 1)
         return attach_sample_fields(batch, rows, self.n, version)
 
     def push_weights(self) -> None:
@@ -366,7 +366,7 @@ class StreamingSource(RolloutSource):
         rows = []
         while len(rows) < count:
             if not self.todo:
-                self.todo.extend(self.trainer._next_rows())
+                self.todo.extend(self.trainer.next_rows())
             rows.append(self.todo.popleft())
         return rows
 
@@ -380,7 +380,7 @@ class StreamingSource(RolloutSource):
                         if i in busy or queued + self.chunk_groups > self.capacity:
                             continue
                         rows = self._take_rows(self.chunk_groups)
-                        sampling = self.trainer._sampling().replace(seed=self._seed(rows))
+                        sampling = self.trainer.sampling_params().replace(seed=self._seed(rows))
                         samples = [row for row in rows for _ in range(self.n)]
                         handle = self.group.call_rank_async(i, "generate", samples, sampling)
                         self.inflight[handle] = _Chunk(rows, self.version, i)
