@@ -508,6 +508,7 @@ class PPOTrainer:
             self.rollout_source.push_weights()  # sync: groups.sync_weights()
 
         metrics.update(self.rollout_source.end_step(self.global_step + 1, batch))  # async: staleness, sample ids
+        metrics.update(groups.memory_metrics())  # perf/<group>/...: each worker group's Platform.memory_stats
         metrics.update(self.batch_metrics(batch))
         metrics.update(agent_metrics(batch))
         timing["step"] = time.perf_counter() - t_step

@@ -27,6 +27,10 @@ from polyrl.rollout.replicas import Replica, plan_replicas, replica_call_args, r
 from polyrl.trainer.role_worker import Worker
 from polyrl.trainer.weight_sync import WeightSync, make_weight_sync
 
+#: ``Platform.memory_stats`` keys (GiB) -> the metric names the trainer logs them under (verl's ``perf/*_gb``).
+MEMORY_METRICS = {"max_allocated_gib": "max_memory_allocated_gb", "reserved_gib": "memory_reserved_gb",
+                  "allocated_gib": "memory_allocated_gb", "max_rss_gib": "max_rss_gb"}
+
 
 @dataclass
 class RoleGroups:
@@ -68,6 +72,19 @@ class RoleGroups:
         if not self.colocated:
             self.rollout.call_all("sleep_rollout")
         return metrics
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Each group's memory (``Platform.memory_stats`` of every rank, the largest): ``perf/<group>/<stat>``,
+        ``<group>`` being ``colocated`` (one group for every role) or ``actor`` and ``rollout`` (split)."""
+        named = [("colocated", self.actor)] if self.rollout is self.actor else [("actor", self.actor),
+                                                                               ("rollout", self.rollout)]
+        out: dict[str, float] = {}
+        for label, group in named:
+            for stats in group.call_all("memory_stats"):
+                for key, value in stats.items():
+                    name = f"perf/{label}/{MEMORY_METRICS.get(key, key)}"
+                    out[name] = max(out.get(name, float("-inf")), float(value))
+        return out
 
     def save_checkpoint(self, path: str) -> None:
         """Every group that trains something saves into ``path``."""

@@ -293,6 +293,10 @@ class Worker:
             self.rollout.wake_up()
         return receive_weights(self.weight_group, self.rollout)
 
+    def memory_stats(self) -> dict[str, float]:
+        """This process's memory in GiB, as its platform reports it (``Platform.memory_stats``)."""
+        return dict(self.platform.memory_stats())
+
     def sleep_rollout(self) -> None:
         """Release the rollout's accelerator memory before training (colocated)."""
         if self.rollout is None:
