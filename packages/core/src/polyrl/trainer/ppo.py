@@ -89,6 +89,9 @@ class PPOTrainer:
             )
         steps_per_epoch = len(self.loader)
         self.total_steps = cfg.trainer.total_steps or steps_per_epoch * cfg.trainer.total_epochs
+        from polyrl.profiling import check_profile_steps
+
+        self.profile_steps = check_profile_steps(cfg.trainer.profile.steps, self.total_steps)
         updates = max(1, data.train_batch_size // cfg.actor.ppo_mini_batch_size) * cfg.actor.ppo_epochs
         cfg.actor.optim.total_steps = self.total_steps * updates
         cfg.critic.optim.total_steps = self.total_steps * max(
@@ -315,10 +318,12 @@ class PPOTrainer:
             if self.val_set is not None and cfg.trainer.val_before_train and resume_from is None:
                 last_val = self.validate()
                 tracker.log(last_val, self.global_step)
+                self._write_report(live=True)
             bar = _progress(cfg.trainer.progress_bar, self.total_steps, self.global_step)
+            profiler = self._step_profiler()
             self.rollout_source.start()
             while self.global_step < self.total_steps:
-                metrics = self.step()
+                metrics = self._profiled_step(profiler)  # self.step(), recorded when trainer.profile asks
                 self.global_step += 1
                 is_last = self.global_step >= self.total_steps
                 if self.val_set is not None and cfg.trainer.test_freq and (
@@ -329,6 +334,7 @@ class PPOTrainer:
                 # metrics first: a checkpoint at step N implies N's metrics line exists (resume re-runs the rest)
                 tracker.log(metrics, self.global_step)
                 fault_point("metrics", self.global_step)
+                self._refresh_report(metrics, is_last)
                 if cfg.trainer.save_freq > 0 and (self.global_step % cfg.trainer.save_freq == 0 or is_last):
                     self.save()
                 if bar is not None:
@@ -340,10 +346,54 @@ class PPOTrainer:
             try:
                 self.rollout_source.stop()
                 tracker.close()
+                self._write_report(live=False)
                 self.groups.shutdown()
             finally:
                 self._lock.release()
         return {**metrics, **last_val}
+
+    def _step_profiler(self) -> Any:
+        """The driver's side of ``trainer.profile`` (None when no step is to be recorded)."""
+        from polyrl.profiling import StepProfiler
+
+        prof = self.config.trainer.profile
+        steps = [s for s in self.profile_steps if s > self.global_step]  # a resumed run records what is left
+        if not steps:
+            return None
+        return StepProfiler(self.groups.distinct(), self.run_dir, steps, memory=prof.memory,
+                            with_stack=prof.with_stack)
+
+    def _profiled_step(self, profiler: Any) -> dict[str, float]:
+        """:meth:`step`, with every worker process recording it when it is one of ``trainer.profile.steps``."""
+        step = self.global_step + 1
+        if profiler is None or not profiler.wants(step):
+            return self.step()
+        profiler.start(step)
+        try:
+            return self.step()
+        finally:
+            written = profiler.stop()
+            log.info("step %d profiled: %d trace files in %s", step, len(written), self.run_dir / "profile" / f"step_{step}")
+
+    def _refresh_report(self, metrics: dict[str, float], is_last: bool) -> None:
+        """Rewrite the live report after a validation and every ``trainer.report_freq`` steps (the final one is
+        written when the run ends)."""
+        freq = self.config.trainer.report_freq
+        validated = any(k.startswith("val/") for k in metrics)
+        if freq and not is_last and (validated or self.global_step % freq == 0):
+            self._write_report(live=True)
+
+    def _write_report(self, *, live: bool) -> None:
+        """``RUN_DIR/report.html`` (``polyrl view``), unless ``trainer.report_freq=0``; a failure to write it
+        is logged, never fatal to the run."""
+        if not self.config.trainer.report_freq or "jsonl" not in self.config.trainer.logger:
+            return
+        from polyrl.report import write_report
+
+        try:
+            write_report(self.run_dir, live=live)
+        except Exception as exc:  # the report is a view of the run: the run goes on without it
+            log.warning("could not write %s: %s", self.run_dir / "report.html", exc)
 
     def _resume_point(self) -> Path | None:
         """The checkpoint to continue from (checked against this config), with metrics after it dropped."""

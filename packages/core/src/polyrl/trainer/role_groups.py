@@ -98,13 +98,20 @@ class RoleGroups:
         if self.critic is not None and self.critic is not self.actor:
             self.critic.call_all("load_checkpoint", path)
 
-    def shutdown(self) -> None:
-        """Stop every group once."""
+    def distinct(self) -> list[WorkerGroup]:
+        """Each group once (roles may share a group), in role order: actor, rollout, ref, critic."""
         seen: set[int] = set()
+        out = []
         for group in (self.actor, self.rollout, self.ref, self.critic):
             if group is not None and id(group) not in seen:
                 seen.add(id(group))
-                group.shutdown()
+                out.append(group)
+        return out
+
+    def shutdown(self) -> None:
+        """Stop every group once."""
+        for group in self.distinct():
+            group.shutdown()
         if self.owns_ray:
             import ray
 
