@@ -149,6 +149,9 @@ def test_invalid_config_exits_2_with_one_line_and_leaves_no_run_dir(base_overrid
         (["actor.ppo_mini_batch_size=0"], "actor.ppo_mini_batch_size"),
         (["trainer.total_steps=-1"], "trainer.total_steps"),
         ([f"data.train_files=[{bad}]"], "bad.jsonl line 1"),
+        # used to start Ray, then fail with a traceback inside the rollout stream
+        (["trainer.async_mode=fully_async", "trainer.executor=ray", "trainer.placement=split",
+          "trainer.async_chunk_groups=-1"], "trainer.async_chunk_groups"),
     ]
     runs = [tmp_path / f"run_{i}" for i in range(len(cases))]
     procs = [_start(manifest_file, base_overrides + extra + [f"trainer.run_dir={run}"])  # side by side

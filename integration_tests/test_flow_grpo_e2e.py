@@ -31,7 +31,7 @@ def setup(tmp_path_factory):
     (root / "polyrl.toml").write_text('[plugins]\nrequire = ["polyrl-engine-fsdp", "polyrl-diffusion"]\n')
     import ray
 
-    from polyrl.trainer.workers import ray_temp_dir
+    from polyrl.trainer.role_groups import ray_temp_dir
 
     # one local Ray for both runs (each run would otherwise start and stop its own: most of the wall time)
     ray.init(num_cpus=2, _temp_dir=str(ray_temp_dir(root)), _node_ip_address="127.0.0.1", include_dashboard=False,

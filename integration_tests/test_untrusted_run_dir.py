@@ -135,7 +135,7 @@ def test_modules_in_the_manifest_lock_need_the_flag(download, tmp_path):
 
 
 def test_the_run_configs_ray_cluster_is_not_joined(download, tmp_path, monkeypatch):
-    from polyrl.trainer import workers
+    from polyrl.trainer import role_groups as workers
 
     _edit_config(download, trainer__executor="ray", trainer__ray_address="ray://203.0.113.7:10001")
     seen = {}

@@ -134,6 +134,13 @@ def test_configuration_reference_is_current():
     ("rollout.n=0", "rollout.n"),
     ("trainer.total_steps=-1", "trainer.total_steps"),
     ("reward.timeout_s=-1", "reward.timeout_s"),
+    ("trainer.async_chunk_groups=-1", "trainer.async_chunk_groups"),
+    ("trainer.async_queue_groups=-2", "trainer.async_queue_groups"),
+    ("trainer.async_max_staleness=-1", "trainer.async_max_staleness"),
+    ("trainer.async_tis_cap=-0.5", "trainer.async_tis_cap"),
+    ("trainer.async_tis_cap=nan", "trainer.async_tis_cap"),
+    ("trainer.weight_bucket_mb=0", "trainer.weight_bucket_mb"),
+    ("rollout.tensor_parallel_size=0", "rollout.tensor_parallel_size"),
 ])
 def test_out_of_range_values_name_the_key_and_source(override, key):
     with pytest.raises(ConfigError) as err:

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from polyrl.algorithms.advantages import clean_padding, group_ids
-from polyrl.algorithms.core import agg_loss, cfg_get, check_finite, check_nonempty_mask, check_same_shape
+from polyrl.algorithms.aggregation import agg_loss
+from polyrl.algorithms.checks import cfg_get, check_finite, check_nonempty_mask, check_same_shape
 from polyrl.algorithms.policy_losses import clip_range, policy_option, truncated_is_weights
 from polyrl.algorithms.torch_functional import masked_mean, masked_select_zero
 from polyrl.protocols import LossScale
@@ -167,7 +168,7 @@ def compute_policy_loss_flow_grpo(old_log_prob: torch.Tensor, log_prob: torch.Te
         raise ValueError(f"log_prob must be [batch, trained_steps], got {tuple(log_prob.shape)}")
     info = cfg_get(config, "global_batch_info", None)
     if loss_scale is None and info:
-        from polyrl.algorithms.core import resolve_loss_scale
+        from polyrl.algorithms.aggregation import resolve_loss_scale
 
         loss_scale = resolve_loss_scale(None, cfg_get(info, "dp_size", None), cfg_get(info, "batch_num_tokens", None),
                                         cfg_get(info, "global_batch_size", None))

@@ -1,9 +1,10 @@
 """Engine ``diffusers`` (model type ``diffusion``): FSDP2 over a diffusers transformer.
 
-A subclass of polyrl-engine-fsdp's :class:`~polyrl_engine_fsdp.engine.FSDPEngine`: sharding (FSDP2,
-HSDP, or DDP-like all-reduce), mixed precision, CPU offload, LoRA through peft, the optimizer and LR
-schedule, gradient clipping, micro-batching with rank padding, sharded atomic checkpoints and weight
-buckets for the rollout all come from there. What differs is the forward pass: for each row and trained
+A subclass of polyrl-engine-fsdp's :class:`~polyrl_engine_fsdp.engine.FSDPEngine`, through its public
+extension points only (``load_model``, ``apply_lora``, ``wrap_model``, ``forward_micro_batch``): sharding
+(FSDP2, HSDP, or DDP-like all-reduce), mixed precision, CPU offload, the optimizer and LR schedule, gradient
+clipping, micro-batching with rank padding, sharded atomic checkpoints and weight buckets for the rollout
+all come from there. What differs is the model and its forward pass: for each row and trained
 step it predicts the velocity at ``(latents, sigmas)`` (CFG-combined when the row was sampled with
 guidance) and, when the batch has ``next_latents``, recomputes the Flow-GRPO step's Gaussian mean and
 the log-prob of the sampled transition with :mod:`polyrl_diffusion.sampler` — the same code the rollout
@@ -30,7 +31,7 @@ from polyrl.errors import ConfigError
 from polyrl_diffusion.models import TextEmbeddings, load_transformer, pipeline_family, transformer_velocity
 from polyrl_diffusion.sampler import guided, sde_step_mean, step_log_prob
 from polyrl_diffusion.weight_copies import WeightCopy
-from polyrl_engine_fsdp.engine import FSDPEngine, _choice, _dtype, _full
+from polyrl_engine_fsdp.engine import FSDPEngine, full_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class DiffusersEngine(FSDPEngine):
     """
 
     required_fields = NEEDED
+    config_section = "diffusers"
 
     def __init__(self, config: Any, *, role: str, model_type: str = "diffusion", platform: Any = None) -> None:
         if model_type != "diffusion":
@@ -135,25 +137,21 @@ class DiffusersEngine(FSDPEngine):
         self.rollout_weights: str | None = None
         super().__init__(config, role=role, model_type=model_type, platform=platform)
 
-    # ------------------------------------------------------------------ construction
-    def _build_model(self) -> None:
+    # ------------------------------------------------------------------ construction (FSDPEngine's extension points)
+    def load_model(self, dtype: torch.dtype) -> nn.Module:
+        """The pipeline's transformer in ``dtype`` (gradient checkpointing on when asked); the pipeline family
+        (``sd3``, ``flux``...) picks the forward."""
         mcfg = self.config.model
         key = f"{self.role}.model.path"
         self.family, _ = pipeline_family(mcfg.path, key)
-        for k, value in (("param_dtype", self.fsdp.param_dtype), ("reduce_dtype", self.fsdp.reduce_dtype)):
-            _dtype(value, f"{self.role}.diffusers.{k}")
-        _choice(self.fsdp.lora_export, ("merged", "adapter"), f"{self.role}.diffusers.lora_export")
-        dtype = _dtype(mcfg.dtype, f"{self.role}.model.dtype")
-        torch.manual_seed(self.config.seed)
         model = load_transformer(mcfg.path, key, dtype)
         self.hf_config = dict(model.config)
         if mcfg.gradient_checkpointing:
             model.enable_gradient_checkpointing()
-        if self.lora:
-            model = self._apply_lora(model, mcfg.lora)
-        self._shard_root(DiffusionRoot(model, self.family), model, dtype)
+        return model
 
-    def _apply_lora(self, model: nn.Module, lora: Any) -> nn.Module:
+    def apply_lora(self, model: nn.Module, lora: Any) -> nn.Module:
+        """peft LoRA on the transformer; ``all-linear`` means the attention projections (Flow-GRPO's choice)."""
         from peft import LoraConfig, get_peft_model
 
         targets = list(lora.target_modules)
@@ -167,12 +165,15 @@ class DiffusersEngine(FSDPEngine):
             raise ConfigError(f"{self.role}.model.lora.target_modules={list(lora.target_modules)} matches no module "
                               f"of the transformer ({exc})") from None
 
-    def _split(self, batch: TensorDict, dynamic: bool) -> list[torch.Tensor | None]:
-        return super()._split(batch, False)
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """:class:`DiffusionRoot`: the transformer and the Flow-GRPO step around it."""
+        return DiffusionRoot(model, self.family)
 
     # ------------------------------------------------------------------ forward passes
-    def _forward(self, mb: TensorDict, temperature: float, compute_entropy: bool
-                 ) -> tuple[dict[str, torch.Tensor], TensorDict]:
+    def forward_micro_batch(self, mb: TensorDict, temperature: float, compute_entropy: bool
+                            ) -> tuple[dict[str, torch.Tensor], TensorDict]:
+        """Every tensor field of ``mb`` on the device into :class:`DiffusionRoot` (see :data:`OUTPUT_KEYS`);
+        ``mb`` itself is what the loss sees (no trimming: images have no padding columns)."""
         inputs = {k: mb[k].to(self.device) for k in mb.keys() if isinstance(mb.get(k), torch.Tensor)}
         return self.module(inputs), mb
 
@@ -186,11 +187,11 @@ class DiffusersEngine(FSDPEngine):
         parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         ctx = self.module.model.disable_adapter() if disable_adapter and self.lora else _null()
         with ctx:
-            for rows in self._split(batch, False):
+            for rows in self.split_micro_batches(batch, False):
                 if rows is None:
-                    self._forward(self._padding_micro_batch(batch), temperature, False)
+                    self.forward_micro_batch(self.padding_micro_batch(batch), temperature, False)
                     continue
-                out, _ = self._forward(batch[rows], temperature, compute_entropy)
+                out, _ = self.forward_micro_batch(batch[rows], temperature, compute_entropy)
                 for k, v in out.items():
                     parts.setdefault(k, []).append((rows, v.float().cpu()))
         result = {}
@@ -221,14 +222,14 @@ class DiffusersEngine(FSDPEngine):
         out = Path(path)
         adapter = self.lora and self.fsdp.lora_export == "adapter"
         if adapter:  # peft's own names (with the adapter name), which its save_pretrained expects
-            source = ((n[len("model."):], _full(p)) for n, p in self.module.named_parameters() if p.requires_grad)
+            source = ((n[len("model."):], full_tensor(p)) for n, p in self.module.named_parameters() if p.requires_grad)
         else:
-            source = self._full_params()
+            source = self.full_parameters()
         tensors = {}
         for name, tensor in source:  # every rank gathers, rank 0 keeps
-            if self._rank == 0:
+            if self.rank == 0:
                 tensors[name] = tensor.detach().cpu().contiguous()
-        if self._rank == 0:
+        if self.rank == 0:
             src = Path(self.config.model.path)
             out.mkdir(parents=True, exist_ok=True)
             for item in src.iterdir():
@@ -313,7 +314,7 @@ class DiffusersEngine(FSDPEngine):
         super().save_checkpoint(path)
         if self.weight_copies:
             torch.save({name: copy.state_dict() for name, copy in self.weight_copies.items()},
-                       Path(path) / f"weight_copies_rank{self._rank}.pt")
+                       Path(path) / f"weight_copies_rank{self.rank}.pt")
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote. A checkpoint written without the copies leaves them as
@@ -321,7 +322,7 @@ class DiffusersEngine(FSDPEngine):
         super().load_checkpoint(path)
         if not self.weight_copies:
             return
-        file = Path(path) / f"weight_copies_rank{self._rank}.pt"
+        file = Path(path) / f"weight_copies_rank{self.rank}.pt"
         params = self.trainable_parameters()
         state = torch.load(file, map_location="cpu", weights_only=True) if file.exists() else {}
         for name, copy in self.weight_copies.items():
@@ -339,7 +340,3 @@ class _null:
     def __exit__(self, *exc: Any) -> None:
         return None
 
-
-def full_tensor(param: torch.Tensor) -> torch.Tensor:
-    """A parameter's whole tensor (gathered from its FSDP shards; collective)."""
-    return _full(param)

@@ -160,13 +160,14 @@ def update_actor_nft(worker: Any, batch: Any) -> dict[str, float]:
 
     ``worker`` is the flow_grpo role worker: ``worker.actor`` (the diffusers engine), ``worker.ref`` (or
     None: the adapter-disabled actor), ``worker.config``. Mini-batches and epochs as the PPO update
-    (``actor.ppo_mini_batch_size`` prompts x ``rollout.n``, ``actor.ppo_epochs``). ``v_old`` is the old policy's
+    (``actor.ppo_mini_batch_size`` prompts x ``rollout.n``, ``actor.ppo_epochs``:
+    :func:`polyrl.trainer.updates.run_update_epochs`). ``v_old`` is the old policy's
     (the engine's ``old`` weight copy, which the rollout sampled with); after the update the old policy moves
     towards the trained weights by ``1 - decay`` (:func:`~polyrl_diffusion.weight_copies.old_policy_decay`).
     """
     import torch
 
-    from polyrl.trainer.role_worker import _run_epochs
+    from polyrl.trainer.updates import mini_batch_rows, run_update_epochs
     from polyrl_diffusion.sampler import group_seed
 
     cfg = nft_options(worker.config)
@@ -186,9 +187,9 @@ def update_actor_nft(worker: Any, batch: Any) -> dict[str, float]:
         if cfg.kl_coef > 0:
             engine = worker.ref if worker.ref is not None else worker.actor
             data["nft_ref_velocity"] = engine.infer_batch(data, disable_adapter=worker.ref is None)["velocity"]
-    rows = actor_cfg.ppo_mini_batch_size * worker.config.rollout.n // worker.actor.dp_size
-    metrics = _run_epochs(worker.actor, data, rows, actor_cfg.ppo_epochs, make_nft_loss(cfg), actor_cfg.shuffle,
-                          worker.actor.dp_rank)
+    rows = mini_batch_rows(actor_cfg.ppo_mini_batch_size, worker.config.rollout.n, worker.actor.dp_size)
+    metrics = run_update_epochs(worker.actor, data, rows, actor_cfg.ppo_epochs, make_nft_loss(cfg),
+                                shuffle=actor_cfg.shuffle, seed=worker.actor.dp_rank)
     if OLD_POLICY in getattr(actor, "weight_copies", {}):
         from polyrl_diffusion.weight_copies import old_policy_decay
 

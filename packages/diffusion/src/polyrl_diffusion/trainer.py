@@ -152,11 +152,12 @@ class FlowGRPOTrainer(PPOTrainer):
         manager = self.pm.get("reward_manager", name)
         return manager(tokenizer=None, compute_score=load_compute_score(cfg.reward), config=cfg.reward)
 
-    def _next_rows(self) -> list[dict]:
-        # the training step rides on each row (MixGRPO's window moves with it), and a key that names the row
-        # in this step without the uid's random suffix: the rollout's noise follows it (reproducible runs);
-        # ``round`` counts the draws of one step (a group filter may draw again)
-        rows = super()._next_rows()
+    def next_rows(self) -> list[dict]:
+        """The core's rows, each with the training step (MixGRPO's window moves with it) and a key that names
+        the row in this step without the uid's random suffix (the rollout's noise follows it: reproducible
+        runs)."""
+        # ``draw`` counts the draws of one step (a group filter may draw again)
+        rows = super().next_rows()
         last_step, last_round = getattr(self, "_rows_draw", (None, -1))
         draw = last_round + 1 if last_step == self.global_step else 0
         self._rows_draw = (self.global_step, draw)
@@ -211,7 +212,6 @@ class FlowGRPOTrainer(PPOTrainer):
 
     def _validate(self) -> dict[str, float]:
         from polyrl import batch as batch_ops
-        from polyrl.trainer.ppo import _pad_rows
 
         cfg = self.config
         rows = list(self.val_set)
@@ -222,13 +222,8 @@ class FlowGRPOTrainer(PPOTrainer):
         size = cfg.data.val_batch_size or len(rows)
         for start in range(0, len(rows), size):
             part = [dict(r, uid=f"val-{start + i}", _validate=True) for i, r in enumerate(rows[start : start + size])]
-            padded = _pad_rows(part, self.groups.rollout.world_size)
-            batch = self.groups.generate(padded, self._sampling(validate=True))
-            batch_ops.set_non_tensor(batch, "uid", [s["uid"] for s in padded])
-            batch_ops.set_non_tensor(batch, "data_source", [s.get("data_source", "") for s in padded])
-            batch_ops.set_non_tensor(batch, "ground_truth",
-                                     [(s.get("reward_model") or {}).get("ground_truth") for s in padded])
-            batch_ops.set_non_tensor(batch, "extra_info", [s.get("extra_info") or {} for s in padded])
+            padded = self.pad_rows(part)
+            batch = self.generate_batch(padded, 1, validate=True)
             out = self.reward_fn(batch)
             batch["token_level_scores"] = out.token_level_scores.float()
             scores = batch["token_level_scores"].sum(-1)

@@ -127,25 +127,19 @@ class FlowGRPOWorker(Worker):
         reference's step means (``ref_prev_sample_mean``: the adapter-disabled actor, or the ref engine) are
         computed first and the loss adds ``kl_coef`` times the KL on the step means (``kl_form``)."""
         from polyrl.trainer.losses import make_actor_loss
-        from polyrl.trainer.role_worker import _run_epochs
         from polyrl_diffusion.nft import is_nft, update_actor_nft
 
         if is_nft(self.config):  # D2: DiffusionNFT's forward-process update (nft.py)
             return update_actor_nft(self, batch)
         cfg = self.config.actor
-        rows = cfg.ppo_mini_batch_size * self.config.rollout.n // self.actor.dp_size
-        on_policy = "old_log_probs" not in batch.keys()
-        if on_policy and (cfg.ppo_epochs > 1 or rows < batch.batch_size[0]):
-            raise RuntimeError("update_actor got no old_log_probs but runs more than one pass over the batch: "
-                               "compute them first (compute_log_prob)")
-        loss = make_actor_loss(cfg, on_policy=on_policy)
+        loss = make_actor_loss(cfg, on_policy=self.update_is_on_policy(batch))
         flow = flow_options(self.config)
         coef = float(flow.kl_coef)
         if coef > 0:
             engine = self.ref if self.ref is not None else self.actor
             batch["ref_prev_sample_mean"] = engine.infer_batch(batch, disable_adapter=self.ref is None)["prev_sample_mean"]
             loss = _with_mean_kl(loss, coef, cfg.loss_agg_mode, flow.kl_form)
-        return _run_epochs(self.actor, batch, rows, cfg.ppo_epochs, loss, cfg.shuffle, self.actor.dp_rank)
+        return self.run_update_epochs(self.actor, batch, loss, cfg, shuffle=cfg.shuffle)
 
 
 def _with_mean_kl(base: Any, coef: float, agg_mode: str, form: str = "flow_grpo") -> Any:

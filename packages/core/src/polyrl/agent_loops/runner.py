@@ -72,6 +72,7 @@ class BatchingClient:
         budget left) get the largest of them, so a rollout that batches equal sampling params batches them
         together; results are cut back to each request's own budget. Only where the rollout states its
         ``max_model_len`` and every merged request still fits it."""
+        # declared on Rollout (None: no limit); a rollout written before it was declared may not have it
         limit = getattr(self.rollout, "max_model_len", None)
         if not isinstance(limit, int) or limit <= 0 or len(requests) < 2:
             return requests

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import logging
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -443,6 +444,8 @@ def check_values(config: Any, origins: Mapping[str, str] | None = None) -> None:
                 break
         if obj is _MISSING or obj is None:
             continue
+        if isinstance(obj, float) and math.isnan(obj):
+            raise ConfigError(f"config key '{key}' (from {_where(origins, key)}): nan is not allowed; it must be a number")
         bad = obj <= 0 if rule == "> 0" else obj < 0
         if bad:
             need = "a positive number" if rule == "> 0" else "zero or more"

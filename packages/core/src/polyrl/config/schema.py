@@ -358,13 +358,18 @@ VALUE_RULES: dict[str, str] = {
     "actor.optim.lr": ">= 0",
     "critic.ppo_mini_batch_size": "> 0", "critic.ppo_epochs": "> 0", "critic.micro_batch_size": "> 0",
     "ref.micro_batch_size": "> 0",
-    "rollout.n": "> 0", "rollout.val_n": "> 0",
+    "rollout.n": "> 0", "rollout.val_n": "> 0", "rollout.tensor_parallel_size": "> 0", "rollout.max_model_len": ">= 0",
+    "rollout.max_batch_size": "> 0", "rollout.temperature": ">= 0", "rollout.val_temperature": ">= 0",
     "reward.timeout_s": ">= 0", "reward.num_workers": ">= 0",
     "trainer.total_steps": ">= 0", "trainer.total_epochs": ">= 0", "trainer.n_workers": "> 0",
     "trainer.rollout_workers": "> 0", "trainer.test_freq": ">= 0", "trainer.save_freq": ">= 0",
     "trainer.max_checkpoints": ">= 0", "trainer.ray_num_cpus": ">= 0", "trainer.report_freq": ">= 0",
     "trainer.log_val_generations": ">= 0",
     "reward.max_failed_steps": ">= 0",
+    "trainer.weight_bucket_mb": "> 0",
+    # the asynchronous modes' numbers, checked before Ray starts (a bad one used to fail inside the rollout stream)
+    "trainer.async_max_staleness": ">= 0", "trainer.async_queue_groups": ">= 0", "trainer.async_chunk_groups": ">= 0",
+    "trainer.async_tis_cap": ">= 0",
 }
 
 #: verl's names of keys polyrl renamed, accepted in polyrl's layout too (verl name -> polyrl key). Giving both

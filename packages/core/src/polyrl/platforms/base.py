@@ -18,12 +18,14 @@ class CPUPlatform:
     device_type = "cpu"
     dist_backend = "gloo"
     weight_sync_backend = "gloo"
-    weight_ipc = "shared_memory"  # host tensors travel through shared memory (torch.multiprocessing)
     visible_devices_env = None
     ray_resource = None
 
     def is_available(self) -> bool:
         return True
+
+    def unavailable_reason(self) -> str:
+        return ""
 
     def device_count(self) -> int:
         return 1
@@ -69,12 +71,20 @@ class CUDAPlatform:
     device_type = "cuda"
     dist_backend = "nccl"
     weight_sync_backend = "nccl"
-    weight_ipc = "cuda_ipc"  # device tensors shared by IPC handle (torch.multiprocessing reductions)
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     ray_resource = "GPU"
 
     def is_available(self) -> bool:
         return getattr(torch.version, "hip", None) is None and torch.cuda.is_available()
+
+    def unavailable_reason(self) -> str:
+        if getattr(torch.version, "hip", None) is not None:
+            return "this is a ROCm build of torch: use the rocm platform (pip install polyrl-hw-rocm)"
+        if torch.version.cuda is None:
+            return "this torch is built without CUDA (a CPU build): install a CUDA build of torch"
+        if not torch.cuda.is_available():
+            return "no NVIDIA GPU is visible (check the driver and CUDA_VISIBLE_DEVICES)"
+        return ""
 
     def device_count(self) -> int:
         return torch.cuda.device_count()

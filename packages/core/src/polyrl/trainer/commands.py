@@ -124,7 +124,7 @@ def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manife
     from polyrl.config.loader import load_config
     from polyrl.config.schema import PolyrlConfig
     from polyrl.trainer.checkpoint import verify_checkpoint
-    from polyrl.trainer.workers import open_role_group
+    from polyrl.trainer.role_groups import open_role_group
 
     ckpt = Path(checkpoint).resolve()
     if not (ckpt / "actor").exists():

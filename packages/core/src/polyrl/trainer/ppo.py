@@ -43,8 +43,9 @@ from polyrl.trainer.checkpoint import (
 )
 from polyrl.trainer.faults import fault_point
 from polyrl.trainer.generations import reward_extras, sample_ids, write_jsonl
+from polyrl.trainer.role_groups import RoleGroups, build_role_groups
 from polyrl.trainer.run_dir import RunDirLock, prepare_run_dir
-from polyrl.trainer.workers import RoleGroups, build_role_groups
+from polyrl.trainer.updates import single_update_pass
 
 log = logging.getLogger("polyrl")
 
@@ -58,7 +59,8 @@ class PPOTrainer:
     One loop for every model kind: a plugin trainer (chosen by ``trainer.name``, registered with
     ``register_trainers``) subclasses this class and overrides only what differs — :attr:`worker_cls`,
     :meth:`build_tokenizer`, :meth:`build_datasets`, :meth:`build_reward_fn`, :meth:`batch_metrics`,
-    :meth:`balance_lengths`, :meth:`throughput_metrics`, :meth:`validate` (docs/plugins/index.md).
+    :meth:`balance_lengths`, :meth:`throughput_metrics`, :meth:`validate`, :meth:`next_rows`, and calls
+    :meth:`sampling_params`, :meth:`generate_batch`, :meth:`pad_rows` (docs/plugins/trainers.md).
     """
 
     #: The worker class the role groups run (a subclass of :class:`polyrl.trainer.role_worker.Worker`).
@@ -118,7 +120,7 @@ class PPOTrainer:
         if mode not in ("auto", "always"):
             raise ConfigError(f"actor.recompute_old_log_prob={mode!r}: choose 'auto' or 'always'")
         # on-policy: the one update pass sees the policy that generated the batch (verl's dp_actor does the same)
-        on_policy = cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+        on_policy = single_update_pass(cfg.actor.ppo_epochs, cfg.actor.ppo_mini_batch_size, cfg.data.train_batch_size)
         self.skip_old_log_prob = mode == "auto" and on_policy and not cfg.algorithm.use_kl_in_reward
         estimator_inputs = inspect.signature(self.adv_fn).parameters
         if "sum_pi_squared" in estimator_inputs:
@@ -130,7 +132,7 @@ class PPOTrainer:
                 "(docs/algorithms.md)")
         if "old_log_probs" in estimator_inputs:  # estimators that read the old policy's log-probs
             self.skip_old_log_prob = False
-        from polyrl.trainer.async_rollout import configure_async_mode, make_rollout_source
+        from polyrl.trainer.sample_sources import configure_async_mode, make_rollout_source
 
         configure_async_mode(self)  # trainer.async_mode: placement checked, TIS on the policy gap (docs/async.md)
         self.rollout_corr = self._configure_rollout_correction()
@@ -231,7 +233,7 @@ class PPOTrainer:
         plan_replicas(rollout_devices, cfg.rollout.tensor_parallel_size)
         choice = select_platform(trainer.device, self.pm)  # logs the choice: after the checks that cannot log
         if trainer.placement == "split" and not local:
-            from polyrl.trainer.weight_transfer import resolve_weight_transfer
+            from polyrl.trainer.weight_sync import resolve_weight_transfer
 
             resolve_weight_transfer(cfg, choice.platform)
         platform = choice.platform
@@ -329,7 +331,9 @@ class PPOTrainer:
         (self.run_dir / "manifest.lock.toml").write_text(lock.to_toml())
         platform_choice.write(self.run_dir)  # platform.json: the platform, why, and what each probe answered
 
-    def _sampling(self, validate: bool = False) -> SamplingParams:
+    def sampling_params(self, validate: bool = False) -> SamplingParams:
+        """How the rollout samples this step (``rollout.*``; one seed per step) or, with ``validate``, for
+        validation (``rollout.val_*``, one sample per prompt)."""
         r = self.config.rollout
         if validate:
             return SamplingParams(temperature=r.val_temperature, top_p=r.val_top_p, top_k=-1,
@@ -562,7 +566,9 @@ class PPOTrainer:
         if changed:
             log.warning("resuming with changed config keys (allowed by trainer.resume_override): %s", ", ".join(changed))
 
-    def _next_rows(self) -> list[dict]:
+    def next_rows(self) -> list[dict]:
+        """The next ``data.train_batch_size`` prompt rows from the data loader (a new epoch starts when one ends).
+        A plugin trainer may override it to annotate the rows (calling ``super().next_rows()``)."""
         try:
             return next(self._iter)
         except (AttributeError, StopIteration):
@@ -586,7 +592,7 @@ class PPOTrainer:
         while True:
             gen_rounds += 1
             with _timer(timing, "gen"):  # async modes: the wait for samples generated meanwhile
-                # sync: self._generate(self._next_rows(), n, ...); fully_async takes only the groups still missing
+                # sync: self.generate_batch(self.next_rows(), n, ...); fully_async takes only the groups still missing
                 batch = self.rollout_source.next_batch(cfg.data.train_batch_size - kept_groups)
             with _timer(timing, "reward"):
                 out = self.reward_fn(batch)
@@ -694,6 +700,7 @@ class PPOTrainer:
         if directory is not None:  # what was trained, token for token (trainer.rollout_data_dir)
             write_jsonl(directory / f"{self.global_step + 1}.jsonl",
                         self.generation_rows(batch, step=self.global_step + 1, kind="train"))
+        metrics.update(groups.memory_metrics())  # perf/<group>/...: each worker group's Platform.memory_stats
         metrics.update(self.batch_metrics(batch))
         metrics.update(agent_metrics(batch))
         timing["step"] = time.perf_counter() - t_step
@@ -703,9 +710,11 @@ class PPOTrainer:
             self.kl_ctrl.update(metrics.get("actor/reward_kl_penalty", 0.0), n_steps=batch.batch_size[0])
         return metrics
 
-    def _generate(self, rows: list[dict], n: int, *, validate: bool) -> TensorDict:
+    def generate_batch(self, rows: list[dict], n: int, *, validate: bool) -> TensorDict:
+        """``n`` samples of each of ``rows`` from the rollout group (:meth:`sampling_params`), with the row fields
+        the reward manager reads (``uid``, ``data_source``, ``ground_truth``, ``extra_info``)."""
         samples = [row for row in rows for _ in range(n)]
-        batch = self.groups.generate(samples, self._sampling(validate))
+        batch = self.groups.generate(samples, self.sampling_params(validate))
         batch_ops.set_non_tensor(batch, "uid", [s["uid"] for s in samples])
         batch_ops.set_non_tensor(batch, "data_source", [s.get("data_source", "") for s in samples])
         batch_ops.set_non_tensor(batch, "ground_truth", [(s.get("reward_model") or {}).get("ground_truth") for s in samples])
@@ -713,6 +722,13 @@ class PPOTrainer:
         if "sample_id" not in batch.keys():
             batch_ops.set_non_tensor(batch, "sample_id", sample_ids(rows, n))
         return batch
+
+    def pad_rows(self, rows: list[dict]) -> list[dict]:
+        """``rows`` followed by copies of the last one, marked ``_pad: True``, up to a multiple of the rollout
+        ranks, so that every rank generates an equal share (validation batches of any size); leave out the
+        results of the marked rows."""
+        extra = (-len(rows)) % self.groups.rollout.world_size
+        return rows + [dict(rows[-1], _pad=True) for _ in range(extra)]
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
@@ -730,8 +746,8 @@ class PPOTrainer:
         for rows in loader:
             rows = rows[: size - seen]
             seen += len(rows)
-            rows = _pad_rows(rows, self.groups.rollout.world_size)
-            batch = self._generate(rows, k, validate=True)
+            rows = self.pad_rows(rows)
+            batch = self.generate_batch(rows, k, validate=True)
             out = self.reward_fn(batch)
             batch["token_level_scores"] = out.token_level_scores.float()
             batch_ops.set_non_tensor(batch, "reward_extra", reward_extras(out.extra, batch.batch_size[0]))
@@ -877,11 +893,6 @@ def _fit_to_groups(batch: TensorDict, groups: int, n: int, n_workers: int, mini:
             "rewards. Raise algorithm.filter_groups.max_num_gen_batches or check the reward function."
         )
     return batch[: take * n]
-
-
-def _pad_rows(rows: list[dict], multiple: int) -> list[dict]:
-    extra = (-len(rows)) % multiple
-    return rows + [dict(rows[-1], _pad=True) for _ in range(extra)]
 
 
 def _encode_rng(state: Any) -> Any:

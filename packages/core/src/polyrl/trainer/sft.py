@@ -104,7 +104,7 @@ class SFTTrainer:
 
     def _fit(self) -> dict[str, float]:
         from polyrl.tracking import Tracker
-        from polyrl.trainer.workers import open_role_group
+        from polyrl.trainer.role_groups import open_role_group
 
         cfg = self.config
         setup_run_logging(self.run_dir)  # RUN_DIR/train.log

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 from tensordict import TensorDict
 
-from polyrl.trainer.async_rollout import StreamingSource, _Group
+from polyrl.trainer.sample_sources import StreamingSource, _Group
 
 
 def _source(batch_groups: int = 4, staleness: int = 1, step: int = 3) -> StreamingSource:
@@ -73,7 +73,7 @@ def _uids(rows: list[dict]) -> list[str]:
 
 
 def test_fully_async_checkpoint_resumed_one_step_off_trains_its_queued_prompts_first():
-    from polyrl.trainer.async_rollout import OneStepOffPolicySource
+    from polyrl.trainer.sample_sources import OneStepOffPolicySource
 
     source = OneStepOffPolicySource(_loader_trainer(start=5))
     source.restore("unused", _fully_async_state())
@@ -92,7 +92,7 @@ def test_one_step_off_checkpoint_resumed_fully_async_generates_its_prefetched_pr
 
 
 def test_sync_run_resumes_an_async_checkpoint_without_losing_prompts():
-    from polyrl.trainer.async_rollout import RolloutSource
+    from polyrl.trainer.sample_sources import RolloutSource
 
     source = RolloutSource(_loader_trainer(start=5))
     source.restore("unused", _fully_async_state())
