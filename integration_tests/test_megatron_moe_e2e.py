@@ -5,8 +5,14 @@ loss, and the hf rollout: the run learns.
 Task and metric as in test_megatron_e2e.py: the quickstart's arithmetic prompts, rewarded for answering in digits
 (fraction of digits among the first 6 characters); ``acc/mean`` is the train batches' digit fraction.
 
-Measured (2 CPU cores, 20 steps, mean of the first 4 steps -> of the last 4): see MEASURED below; a control whose
-reward is a hash of the answer (no signal; its ``acc`` is still the digit fraction) does not rise.
+Measured (2026-11-24, 2 shared CPU cores, 20 steps, ``trainer.seed`` 1/2/3; mean of the first 4 steps -> of the
+last 4):
+  * this run:  0.04 -> 0.49, 0.06 -> 0.38, 0.03 -> 0.49 (the MoE learns more slowly than test_megatron_e2e.py's
+    dense model, whose runs reach 0.8-0.9)
+  * control (``HASH_REWARD``: a hash of the answer, no signal; its ``acc`` is still the digit fraction), seeds 1/2:
+    0.05 -> 0.04, 0.03 -> 0.02 (no single control step above 0.16)
+The assertion (last 4 >= 0.25 and at least 0.2 above the first 4) holds for every real run and no control run.
+35-60 s a run on the loaded 2 cores (user CPU about 25 s).
 """
 
 from __future__ import annotations

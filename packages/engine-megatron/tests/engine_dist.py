@@ -76,14 +76,28 @@ def role_config(model_dir: str, *, tp: int = 1, pp: int = 1, **kw):
                             micro_batch_size=kw.pop("micro_batch_size", 2), plugin_config=block, **kw)
 
 
+#: set to 1 (by a GPU test) to run the scenarios on CUDA with nccl, one GPU per rank
+CUDA_ENV = "ENGINE_DIST_CUDA"
+
+
+def _platform():
+    if os.environ.get(CUDA_ENV) == "1":
+        from polyrl.platforms import CUDAPlatform
+
+        platform = CUDAPlatform()
+        platform.set_device(torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+        return platform
+    from polyrl.platforms import CPUPlatform
+
+    return CPUPlatform()
+
+
 def make_engine(model_dir: str, role: str = "actor", model_type: str = "causal_lm", *, tp: int = 1, pp: int = 1,
                 **kw):
     from polyrl_engine_megatron.engine import MegatronEngine
 
-    from polyrl.platforms import CPUPlatform
-
     return MegatronEngine(role_config(model_dir, tp=tp, pp=pp, **kw), role=role, model_type=model_type,
-                          platform=CPUPlatform())
+                          platform=_platform())
 
 
 def _shard(engine, b):
@@ -279,7 +293,9 @@ def main() -> None:
     rank, world, out = int(rank), int(world), Path(out)
     from polyrl.distributed import init_distributed
 
-    init_distributed("gloo", rank, world, "127.0.0.1", int(port))
+    if os.environ.get(CUDA_ENV) == "1":
+        torch.cuda.set_device(rank)
+    init_distributed("nccl" if os.environ.get(CUDA_ENV) == "1" else "gloo", rank, world, "127.0.0.1", int(port))
     from polyrl_engine_megatron.parallel import destroy_parallel_state
 
     for scenario in scenarios.split(","):

@@ -169,11 +169,11 @@ def test_the_load_balancing_loss_is_trained(runs):
 def test_moe_step_matches_the_fsdp_engine(runs, runs_dir):
     """The same Qwen3-MoE step on engine-fsdp (transformers' own MoE blocks, no load-balancing loss, as HF trains
     unless output_router_logits): log-probs, entropy, loss, gradient norm and updated weights."""
-    from polyrl_engine_fsdp.engine import FSDPEngine
     from safetensors.torch import load_file
 
     from polyrl.config.roles import EngineRoleConfig, ModelConfig
     from polyrl.platforms import CPUPlatform
+    from polyrl_engine_fsdp.engine import FSDPEngine
 
     mega = runs["moe0:qwen3_moe:tp1"][0]
     folder = runs_dir / "qwen3_moe"
