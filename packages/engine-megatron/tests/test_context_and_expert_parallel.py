@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from polyrl.errors import ConfigError
+from polyrl.testing import EngineConformance
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from engine_dist import batch, loss_fn, role_config  # noqa: E402
+from engine_dist import batch, loss_fn, make_engine, role_config  # noqa: E402
 from test_megatron_engine import LOSS_RTOL, WEIGHT_ATOL, _run_group  # noqa: E402
 
 TWO_RANKS = ["train:cp2", "train:cp2packed", "critic:cp2", "train:tp2chunk3", "train:tp2unchunked",
@@ -264,3 +265,23 @@ def test_moe_family_without_converter(tmp_path, model_type, words):
     AutoConfig.for_model(model_type).save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match=rf"model_type '{model_type}' has no HF <-> Megatron converter.*{words}"):
         _size(tmp_path, 1)
+
+
+class TestMegatronMoEConformance(EngineConformance):
+    """The Engine protocol on a tiny Qwen3-MoE: checkpoints, the rollout weight stream (per-expert names), value
+    model, micro-batching (no load-balancing loss here: megatron's ``aux_loss`` is computed per micro-batch, so
+    with it the micro-batch size changes the step, as in megatron-lm)."""
+
+    @pytest.fixture(scope="class")
+    def moe_dir(self, tmp_path_factory):
+        from polyrl.models.tiny import make_tiny_model
+
+        return make_tiny_model(tmp_path_factory.mktemp("moe") / "qwen3_moe", arch="qwen3_moe", num_key_value_heads=2)
+
+    @pytest.fixture
+    def model_dir(self, moe_dir):
+        return moe_dir
+
+    @pytest.fixture
+    def engine_factory(self, moe_dir):
+        return lambda role="actor", model_type="causal_lm", **kw: make_engine(str(moe_dir), role, model_type, **kw)
