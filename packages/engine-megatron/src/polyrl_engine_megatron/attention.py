@@ -10,11 +10,11 @@ and ``2 cp - 1 - r``, so every rank gets the same share of the causal triangle. 
 (``[s, b, heads, dim]``) are cut as one sequence per row; packed micro-batches (``[t, heads, dim]`` with
 ``cu_seqlens``) sequence by sequence.
 
-The attention all-gathers the keys and values of the context-parallel group (each rank keeps its own queries:
-the scores are ``[L / cp, L]`` per head instead of ``[L, L]``), and masks by position: a query attends to the keys
-of its own sequence at the same or earlier positions. The all-gather's backward sums the key/value gradients
-every rank's queries produced and keeps this rank's part (a reduce-scatter). With ``cp == 1`` it is plain
-causal attention per sequence, which is what packed sequences need.
+The attention all-gathers the keys and values of the context-parallel group and puts them back in sequence order;
+each rank keeps its own queries, and each of its two chunks attends to the keys up to its own end, causally (a
+query sees the keys of its own sequence at the same or earlier positions). The all-gather's backward sums the
+key/value gradients every rank's queries produced and keeps this rank's part (a reduce-scatter). With ``cp == 1``
+it is plain causal attention per sequence, which is what packed sequences need.
 """
 
 from __future__ import annotations
@@ -101,10 +101,10 @@ class ContextParallelAttention(nn.Module):
             return self._packed(query, key, value, packed_seq_params)
         # padded [s, b, n, d]: one sequence per row, all rows of the same (padded) length
         local = query.shape[0]
-        positions = cp_chunk_positions(local * self.cp, self.cp, self.cp_rank, device=query.device)
-        key_positions = self._gathered_positions(local * self.cp, query.device)
-        out = self._attend(query.permute(1, 2, 0, 3), self._gather(key).permute(1, 2, 0, 3),
-                           self._gather(value).permute(1, 2, 0, 3), positions, key_positions)
+        order = self._key_order(local * self.cp, query.device)
+        keys = self._gather(key).index_select(0, order)  # every rank's tokens, back in sequence order
+        values = self._gather(value).index_select(0, order)
+        out = self._attend(query.permute(1, 2, 0, 3), keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3))
         # [b, n, s, d] -> [s, b, n * d]
         return out.permute(2, 0, 1, 3).reshape(local, query.shape[1], -1)
 
@@ -112,46 +112,61 @@ class ContextParallelAttention(nn.Module):
     def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return _GatherSequence.apply(tensor, self.cp_group) if self.cp > 1 else tensor
 
-    def _gathered_positions(self, length: int, device: Any) -> torch.Tensor:
-        """Positions of the all-gathered keys of one sequence (rank 0's tokens, then rank 1's, ...)."""
-        return torch.cat([cp_chunk_positions(length, self.cp, r, device=device) for r in range(self.cp)])
+    def _key_order(self, length: int, device: Any) -> torch.Tensor:
+        """Where each position of a sequence of ``length`` lies in the all-gather (rank 0's tokens, then rank 1's, ...):
+        indexing the gathered keys with it puts them back in sequence order."""
+        gathered = torch.cat([cp_chunk_positions(length, self.cp, r, device=device) for r in range(self.cp)])
+        return torch.argsort(gathered)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                k_pos: torch.Tensor) -> torch.Tensor:
-        """``q [b, n, sq, d]``, ``k, v [b, g, sk, d]`` -> ``[b, n, sq, d]``, query i seeing keys at positions <= its own."""
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q [b, n, sq, d]`` (this rank's chunks), ``k, v [b, g, sk, d]`` (the whole sequence, in order) ->
+        ``[b, n, sq, d]``.
+
+        Without context parallelism: causal attention. With it, each of this rank's two chunks attends to the keys
+        up to its own end with a causal mask aligned to the bottom right (torch's ``causal_lower_right``, which
+        the GPU kernels apply without building a mask), so no masked-out block is computed.
+        """
         dropout = self.dropout if self.training else 0.0
         gqa = q.shape[1] != k.shape[1]
-        # the keys are the queries' own sequence, in order, without context parallelism: plain causal attention
-        mask = None if self.cp == 1 else k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
         rng = contextlib.nullcontext()
         if dropout > 0 and not self.config.sequence_parallel:  # as megatron's attention: the TP-rank RNG stream
             from megatron.core import tensor_parallel
 
             rng = tensor_parallel.get_cuda_rng_tracker().fork()
         with rng:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                                                  dropout_p=dropout, enable_gqa=gqa)
+            if self.cp == 1:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout,
+                                                      enable_gqa=gqa)
+            from torch.nn.attention.bias import causal_lower_right
+
+            c = q.shape[2] // 2
+            outs = []
+            for part, chunk in ((q[:, :, :c], self.cp_rank), (q[:, :, c:], 2 * self.cp - 1 - self.cp_rank)):
+                end = (chunk + 1) * c
+                outs.append(F.scaled_dot_product_attention(
+                    part, k[:, :, :end], v[:, :, :end], attn_mask=causal_lower_right(c, end), scale=self.scale,
+                    dropout_p=dropout, enable_gqa=gqa))
+            return torch.cat(outs, dim=2)
 
     def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any) -> torch.Tensor:
         """Packed ``[t, n, d]``: each sequence of ``cu_seqlens`` (padded lengths) attends to itself alone."""
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         lengths = (cu[1:] - cu[:-1]).tolist()
-        local = [n // self.cp for n in lengths]
         keys, values = self._gather(key), self._gather(value)  # [cp * t, g, d]: rank 0's t tokens, then rank 1's...
         total = query.shape[0]
         outs = []
         start = 0
-        for length, n in zip(lengths, local, strict=True):
+        for length in lengths:
+            n = length // self.cp
             if n == 0:
                 continue
-            q = query[start : start + n].permute(1, 0, 2).unsqueeze(0)  # [1, n_heads, n, d]
-            # this sequence's keys on every rank: the same offset in each rank's block of the gather
+            q = query[start : start + n].permute(1, 0, 2).unsqueeze(0)  # [1, heads, n, d]
+            # this sequence's keys on every rank (the same offset in each rank's block of the gather), in order
             idx = torch.cat([torch.arange(r * total + start, r * total + start + n, device=query.device)
                              for r in range(self.cp)])
+            idx = idx.index_select(0, self._key_order(length, query.device))
             k = keys.index_select(0, idx).permute(1, 0, 2).unsqueeze(0)
             v = values.index_select(0, idx).permute(1, 0, 2).unsqueeze(0)
-            q_pos = cp_chunk_positions(length, self.cp, self.cp_rank, device=query.device)
-            out = self._attend(q, k, v, q_pos, self._gathered_positions(length, query.device))
-            outs.append(out.squeeze(0).permute(1, 0, 2).reshape(n, -1))
+            outs.append(self._attend(q, k, v).squeeze(0).permute(1, 0, 2).reshape(n, -1))
             start += n
         return torch.cat(outs, dim=0)
