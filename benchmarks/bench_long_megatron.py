@@ -18,7 +18,8 @@ seconds per step (median), tokens/s, the peak memory the step added over the mem
 set, sampled every 2 ms after returning freed memory to the OS; CUDA: ``max_memory_allocated``), and the distance
 from the machine's limits: peak memory as a share of the memory one worker has (half of RAM on CPU, the GPU's
 memory on CUDA), and the model FLOP/s of the step (6 x parameters x tokens + the causal attention) as a share of the
-matmul FLOP/s measured on this worker in the same run.
+matmul FLOP/s measured on this worker in the same run (the best of a measurement before and one after the
+configurations: on shared cores another job's load lowers it, and the share is then too high to read).
 """
 
 from __future__ import annotations
@@ -180,10 +181,13 @@ def _worker(rank: int, world: int, port: int, model_dir: str, args: argparse.Nam
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
             rows_out.append({"config": name, "length": length, "step_s": float(found[1]), "tokens": tokens,
                              "peak_bytes": float(found[0]), "memory_share": float(found[0]) / limit,
-                             "flops_share": flops / world / float(found[1]) / flops_limit, "error": error})
+                             "flops_per_s": flops / world / float(found[1]), "error": error})
         del engine
         destroy_parallel_state()
         gc.collect()
+    flops_limit = max(flops_limit, _matmul_flops(device))
+    for r in rows_out:
+        r["flops_share"] = r["flops_per_s"] / flops_limit
     if rank == 0:
         what = f"CUDA ({torch.cuda.get_device_name(0)})" if args.cuda else f"CPU ({os.cpu_count()} cores)"
         layout = "padded rows" if args.padded else "packed sequences"

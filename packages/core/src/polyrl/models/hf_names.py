@@ -9,10 +9,13 @@ splits them back. Checkpoints, vLLM's loaders and the megatron engine's weight s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointNameMap", "checkpoint_shapes"]
 
@@ -28,9 +31,15 @@ def _revert(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]]:
     """Checkpoint tensor name -> shape, as ``save_pretrained`` writes ``model`` (a model on the meta device is
-    enough: nothing is materialised). Equal to the parameter shapes for families transformers does not fuse."""
+    enough: nothing is materialised). Equal to the parameter shapes for families transformers does not fuse; the
+    parameter shapes (with a warning) where transformers' reverse conversion fails on meta tensors."""
     state = {name: p for name, p in model.named_parameters()}
-    return {name: tuple(t.shape) for name, t in _revert(model, state).items()}
+    try:
+        reverted = _revert(model, state)
+    except Exception as exc:  # a conversion that needs real data: the in-memory names are all there is
+        logger.warning("checkpoint names of %s unknown (%s): using its parameter names", type(model).__name__, exc)
+        reverted = state
+    return {name: tuple(t.shape) for name, t in reverted.items()}
 
 
 class CheckpointNameMap:
