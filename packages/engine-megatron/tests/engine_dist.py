@@ -54,15 +54,21 @@ def value_loss_fn(out, mb, scale):
     return loss, {"vf_loss": float(loss.detach())}
 
 
+#: MegatronConfig keys ``role_config`` accepts besides tp and pp
+_BLOCK_KEYS = ("sequence_parallel", "use_distributed_optimizer", "context_parallel_size", "expert_model_parallel_size",
+               "expert_tensor_parallel_size", "moe_aux_loss_coeff", "moe_token_dispatcher_type", "activation_offload",
+               "recompute_granularity", "recompute_method", "recompute_num_layers")
+
+
 def role_config(model_dir: str, *, tp: int = 1, pp: int = 1, **kw):
-    """An actor role config over ``model_dir`` with a megatron block; ``kw`` are EngineRoleConfig fields."""
+    """An actor role config over ``model_dir`` with a megatron block; ``kw`` are EngineRoleConfig fields or
+    MegatronConfig keys (``_BLOCK_KEYS``)."""
     from polyrl_engine_megatron.config import MegatronConfig
 
     from polyrl.config.roles import EngineRoleConfig, ModelConfig, OptimConfig
 
     block = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                           sequence_parallel=kw.pop("sequence_parallel", False),
-                           use_distributed_optimizer=kw.pop("use_distributed_optimizer", False))
+                           **{k: kw.pop(k) for k in _BLOCK_KEYS if k in kw})
     # weight_decay=0.1 on every parameter (as both engines apply it); eps=1e-6 keeps Adam from turning
     # float-rounding noise of exactly-zero gradients into lr-sized steps
     optim = OptimConfig(lr=kw.pop("lr", 1e-3), grad_clip=kw.pop("grad_clip", 1.0), eps=1e-6, weight_decay=0.1)
@@ -70,14 +76,28 @@ def role_config(model_dir: str, *, tp: int = 1, pp: int = 1, **kw):
                             micro_batch_size=kw.pop("micro_batch_size", 2), plugin_config=block, **kw)
 
 
+#: set to 1 (by a GPU test) to run the scenarios on CUDA with nccl, one GPU per rank
+CUDA_ENV = "ENGINE_DIST_CUDA"
+
+
+def _platform():
+    if os.environ.get(CUDA_ENV) == "1":
+        from polyrl.platforms import CUDAPlatform
+
+        platform = CUDAPlatform()
+        platform.set_device(torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+        return platform
+    from polyrl.platforms import CPUPlatform
+
+    return CPUPlatform()
+
+
 def make_engine(model_dir: str, role: str = "actor", model_type: str = "causal_lm", *, tp: int = 1, pp: int = 1,
                 **kw):
     from polyrl_engine_megatron.engine import MegatronEngine
 
-    from polyrl.platforms import CPUPlatform
-
     return MegatronEngine(role_config(model_dir, tp=tp, pp=pp, **kw), role=role, model_type=model_type,
-                          platform=CPUPlatform())
+                          platform=_platform())
 
 
 def _shard(engine, b):
@@ -91,16 +111,33 @@ def _full_weights(engine) -> dict[str, torch.Tensor]:
     return {n: t.detach().cpu().clone() for bucket in engine.weights_for_rollout(1 << 16) for n, t in bucket}
 
 
+def parse_layout(layout: str) -> dict:
+    """``tp2``, ``pp2``, ``dp2``, ``cp2``, ``ep2``, ``tp2ep2`` (expert TP 1), ``tp1``, with suffixes ``sp`` (sequence
+    parallel), ``dist`` (distributed optimizer), ``packed`` (``use_remove_padding``), ``chunk3`` (log-probs 3 tokens
+    at a time), ``unchunked`` (``logits_chunk_size=0``), ``offload`` (activation offload), ``recompute`` (full
+    recomputation) -> make_engine keywords."""
+    import re
+
+    kw: dict = {}
+    for size in re.findall(r"(?:tp|pp|cp|ep)\d", layout):
+        key = {"tp": "tp", "pp": "pp", "cp": "context_parallel_size", "ep": "expert_model_parallel_size"}[size[:2]]
+        kw[key] = int(size[2])
+    if kw.get("tp", 1) > 1 and kw.get("expert_model_parallel_size", 1) > 1:
+        kw["expert_tensor_parallel_size"] = 1
+    flags = {"sp": ("sequence_parallel", True), "dist": ("use_distributed_optimizer", True),
+             "packed": ("use_remove_padding", True), "chunk3": ("logits_chunk_size", 3),
+             "unchunked": ("logits_chunk_size", 0), "offload": ("activation_offload", True)}
+    for flag, (key, value) in flags.items():
+        if layout.endswith(flag) or f"{flag}_" in layout:
+            kw[key] = value
+    if "recompute" in layout:
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return kw
+
+
 def train_step(model_dir: str, layout: str, **kw) -> dict:
-    """One infer + train step + infer in ``layout`` (``tp2``, ``pp2``, ``dp2``, ``tp1``, ``tp2sp``, ``dp2dist``)."""
-    tp = 2 if layout.startswith("tp2") else 1
-    pp = 2 if layout.startswith("pp2") else 1
-    extra = dict(kw)
-    if layout.endswith("sp"):
-        extra["sequence_parallel"] = True
-    if layout.endswith("dist"):
-        extra["use_distributed_optimizer"] = True
-    engine = make_engine(model_dir, tp=tp, pp=pp, **extra)
+    """One infer + train step + infer in ``layout`` (see :func:`parse_layout`)."""
+    engine = make_engine(model_dir, **{**parse_layout(layout), **kw})
     b = batch()
     shard = _shard(engine, b)
     before = engine.infer_batch(shard, compute_entropy=True, temperature=0.9)
@@ -112,6 +149,77 @@ def train_step(model_dir: str, layout: str, **kw) -> dict:
     return {"metrics": metrics, "before": before.to_dict(), "after": after.to_dict(), "dp_rank": engine.dp_rank,
             "dp_size": engine.dp_size, "collects": engine.collects_output, "weights": _full_weights(engine),
             "sequence_parallel": bool(engine.tcfg.sequence_parallel), "sp_norms": sp_norms}
+
+
+def widest_logits(model_dir: str, layout: str) -> dict:
+    """The most rows any ``[rows, vocab / tp]`` tensor had during one train step in ``layout`` (every op's outputs
+    are watched): the chunked log-probs never hold the logits of more than one chunk of tokens."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    engine = make_engine(model_dir, **parse_layout(layout))
+    vocab = engine.hf_config.vocab_size // engine.parallel.tp
+    widest = [0]
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(a, torch.Tensor)}
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                # new memory only: views (weight.t(), detach) of an existing tensor hold no logits
+                if (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == vocab
+                        and t.untyped_storage().data_ptr() not in inputs):
+                    widest[0] = max(widest[0], t.numel() // vocab)
+            return out
+
+    b = batch()
+    with Watch():
+        engine.train_batch(b, loss_fn, temperature=0.9)
+    tokens = int(b["response_mask"].sum())
+    return {"widest": widest[0], "tokens": tokens, "positions": int(b["attention_mask"].sum())}
+
+
+def tiny_moe(out: Path, arch: str) -> str:
+    """A tiny random Qwen3-MoE / Mixtral (4 experts, top 2) with the char tokenizer, written by rank 0."""
+    folder = out / arch
+    if torch.distributed.get_rank() == 0 and not (folder / "config.json").exists():
+        from polyrl.models.tiny import make_tiny_model
+
+        make_tiny_model(folder, arch=arch, seed=0, num_key_value_heads=2)
+    torch.distributed.barrier()
+    return str(folder)
+
+
+def moe_step(out: Path, spec: str, coeff: float = 0.01) -> dict:
+    """``ARCH:LAYOUT``: one step of a tiny mixture of experts with a load-balancing loss (coefficient ``coeff``)."""
+    arch, layout = spec.split(":")
+    return train_step(tiny_moe(out, arch), layout, moe_aux_loss_coeff=coeff)
+
+
+def moe_export(out: Path, spec: str) -> dict:
+    """``ARCH:LAYOUT``: one step, then ``export_hf``; transformers loads the export (per-expert names) and gives the
+    engine's log-probs of the batch."""
+    from transformers import AutoModelForCausalLM
+
+    arch, layout = spec.split(":")
+    engine = make_engine(tiny_moe(out, arch), **parse_layout(layout), moe_aux_loss_coeff=0.01)
+    b = batch()
+    engine.train_batch(_shard(engine, b), loss_fn, temperature=0.9)  # the step moe_step takes
+    folder = out / f"export_{arch}_{layout}"
+    engine.export_hf(str(folder))
+    result: dict = {}
+    if torch.distributed.get_rank() == 0:
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = hf(b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
+        r = b["responses"].shape[1]
+        logp = torch.log_softmax(logits[:, -r - 1 : -1].float(), -1).gather(-1, b["responses"][..., None])[..., 0]
+        result["hf_log_probs"] = logp * b["response_mask"]
+        from safetensors import safe_open
+
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            result["names"] = sorted(f.keys())
+    return result
 
 
 def qwen3_model(out: Path) -> str:
@@ -130,10 +238,8 @@ def qwen3_model(out: Path) -> str:
 
 
 def critic_step(model_dir: str, layout: str) -> dict:
-    """The value model: values, one step of the value loss, values again, in ``layout`` (``tp1``, ``tp2sp``)."""
-    extra = {"sequence_parallel": True} if layout.endswith("sp") else {}
-    engine = make_engine(model_dir, role="critic", model_type="value", tp=2 if layout.startswith("tp2") else 1,
-                         lr=1e-2, **extra)
+    """The value model: values, one step of the value loss, values again, in ``layout`` (``tp1``, ``tp2sp``, ``cp2``)."""
+    engine = make_engine(model_dir, role="critic", model_type="value", lr=1e-2, **parse_layout(layout))
     b = batch()
     before = engine.infer_batch(b)
     metrics = engine.train_batch(b, value_loss_fn)
@@ -181,10 +287,15 @@ def vocab_parallel(rank: int, world: int) -> dict:
 
 def main() -> None:
     rank, world, port, model_dir, out, scenarios = sys.argv[1:7]
+    import warnings
+
+    warnings.filterwarnings("ignore")
     rank, world, out = int(rank), int(world), Path(out)
     from polyrl.distributed import init_distributed
 
-    init_distributed("gloo", rank, world, "127.0.0.1", int(port))
+    if os.environ.get(CUDA_ENV) == "1":
+        torch.cuda.set_device(rank)
+    init_distributed("nccl" if os.environ.get(CUDA_ENV) == "1" else "gloo", rank, world, "127.0.0.1", int(port))
     from polyrl_engine_megatron.parallel import destroy_parallel_state
 
     for scenario in scenarios.split(","):
@@ -201,6 +312,14 @@ def main() -> None:
             result = checkpoint_load(model_dir, arg, out)
         elif name == "vocab":
             result = vocab_parallel(rank, world)
+        elif name == "widest":
+            result = widest_logits(model_dir, arg)
+        elif name == "moe":
+            result = moe_step(out, arg)
+        elif name == "moe0":  # no load-balancing loss
+            result = moe_step(out, arg, coeff=0.0)
+        elif name == "export":
+            result = moe_export(out, arg)
         else:
             raise SystemExit(f"unknown scenario {scenario}")
         torch.save(result, out / f"{scenario.replace(':', '_')}_rank{rank}.pt")

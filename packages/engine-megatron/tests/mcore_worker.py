@@ -127,6 +127,68 @@ def convert(rank: int, world: int, out: str) -> dict:
     return result
 
 
+def tiny_moe_hf(arch: str):
+    """A tiny random mixture of experts (4 experts, top 2, float32) built in code with transformers' config class;
+    norms and router perturbed so that their layout and the routing matter. ``qwen3_moe`` renormalises the top-2
+    weights (``norm_topk_prob``), ``qwen3_moe_unnormalised`` does not, ``mixtral`` always does."""
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if arch.startswith("qwen3_moe"):
+        config = Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                                num_experts_per_tok=2, head_dim=24, norm_topk_prob=arch == "qwen3_moe")
+    else:
+        config = MixtralConfig(**common, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(4)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("gate.weight"):  # routers: clear preferences, so a misplaced expert shows
+                p.normal_(0, 0.5)
+    return config, model.eval()
+
+
+def convert_moe(rank: int, world: int, out: str) -> dict:
+    """Qwen3-MoE and Mixtral, read from the checkpoint folder ``save_pretrained`` writes (per-expert names):
+    megatron reproduces transformers' logits and gives back exactly the checkpoint's tensors in EP=1 (DP=2), EP=2,
+    TP=2, TP=2 x EP=2 (expert TP 1) and PP=2."""
+    from polyrl_engine_megatron.convert import hf_param_shapes, iter_hf_weights, load_hf_weights
+    from polyrl_engine_megatron.model import build_gpt_model
+    from polyrl_engine_megatron.parallel import destroy_parallel_state, init_parallel_state
+    from safetensors.torch import load_file
+
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    result: dict = {}
+    for arch in ("qwen3_moe", "qwen3_moe_unnormalised", "mixtral"):
+        config, hf = tiny_moe_hf(arch)
+        with torch.no_grad():
+            ref = hf(ids).logits
+        folder = os.path.join(out, arch)
+        if rank == 0:
+            hf.save_pretrained(folder)
+        dist.barrier()
+        disk = load_file(os.path.join(folder, "model.safetensors"))
+        result[f"{arch}/expert_names"] = sorted(k for k in disk if ".experts." in k)[:3]
+        for tp, pp, ep, etp in ((1, 1, 1, None), (1, 1, 2, None), (2, 1, 1, None), (2, 1, 2, 1), (1, 2, 1, None)):
+            key = f"{arch}/tp{tp}pp{pp}ep{ep}"
+            info = init_parallel_state(tp, pp, ep=ep, etp=etp)
+            model = build_gpt_model(config).eval()
+            load_hf_weights(model, folder, config)
+            with torch.no_grad():
+                logits = _pipeline_forward(model, ids, info)
+            if logits is not None:
+                result[f"{key}/logit_err"] = float((_full_vocab(logits) - ref).abs().max())
+            got = dict(kv for bucket in iter_hf_weights(model, config, bucket_bytes=16 << 10) for kv in bucket)
+            result[f"{key}/names_equal"] = list(got) == list(hf_param_shapes(config)) and set(got) == set(disk)
+            result[f"{key}/exact"] = all(torch.equal(got[k], disk[k]) for k in disk if k in got)
+            destroy_parallel_state()
+        result[f"{arch}/logit_scale"] = float(ref.abs().max())
+    return result
+
+
 def train(rank: int, world: int, out: str) -> dict:
     """One optimizer step through megatron's own DDP, optimizer, grad clipping and pipeline schedules in
     TP=1 x DP=2 (distributed optimizer), TP=2 and PP=2 (distributed optimizer): loss, grad norm and the

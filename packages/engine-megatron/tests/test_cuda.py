@@ -45,3 +45,37 @@ class TestMegatronConformanceOnCUDA(EngineConformance):
     def test_parameters_live_on_the_gpu(self, model_dir):
         engine = _cuda_engine(str(model_dir))
         assert {p.device.type for p in engine.model.parameters()} == {"cuda"}
+
+
+# ---------------------------------------------------------------------------- long sequences and experts on CUDA
+
+needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+def test_packed_chunked_and_offloaded_steps_on_one_gpu(model_dir, tmp_path):
+    """Packed sequences (the engine's own attention, sdpa kernels), log-probs 3 tokens at a time and activation
+    offload (pinned host memory) give the step of megatron's attention over padded rows with unchunked logits, on
+    one GPU. Peak memory: benchmarks/bench_long_megatron.py."""
+    from test_megatron_engine import _run_group
+
+    runs = _run_group(1, model_dir, tmp_path, ["train:tp1unchunked", "train:tp1packed_chunk3", "train:tp1offload"],
+                      extra_env={"ENGINE_DIST_CUDA": "1"})
+    from test_context_and_expert_parallel import _same_step
+
+    ref = runs["train:tp1unchunked"][0]
+    _same_step(runs["train:tp1packed_chunk3"], ref)
+    _same_step(runs["train:tp1offload"], ref)
+
+
+@needs_two
+def test_context_and_expert_parallel_on_two_gpus(model_dir, tmp_path):
+    """CP=2 (padded and packed) and EP=2 on a tiny Qwen3-MoE over nccl = the one-GPU steps."""
+    from test_context_and_expert_parallel import _same_step
+    from test_megatron_engine import _run_group
+
+    env = {"ENGINE_DIST_CUDA": "1"}
+    two = _run_group(2, model_dir, tmp_path, ["train:cp2", "train:cp2packed", "moe:qwen3_moe:ep2"], extra_env=env)
+    one = _run_group(1, model_dir, tmp_path, ["train:tp1", "moe:qwen3_moe:tp1"], extra_env=env)
+    _same_step(two["train:cp2"], one["train:tp1"][0])
+    _same_step(two["train:cp2packed"], one["train:tp1"][0])
+    _same_step(two["moe:qwen3_moe:ep2"], one["moe:qwen3_moe:tp1"][0])

@@ -40,10 +40,12 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", size="tiny", seed=0, num_key_value_heads=2)
 
 
-def _run_group(world: int, model_dir: Path, out: Path, scenarios: list[str]) -> dict[str, list[dict]]:
+def _run_group(world: int, model_dir: Path, out: Path, scenarios: list[str],
+               extra_env: dict[str, str] | None = None) -> dict[str, list[dict]]:
     """Run ``scenarios`` in a fresh gloo group of ``world`` processes; ``{scenario: [rank results]}``."""
     env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p))
+               PYTHONPATH=os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
+               **(extra_env or {}))
     out.mkdir(parents=True, exist_ok=True)
     for _attempt in range(3):  # the free port can be taken before rank 0 binds it
         port = str(free_port())
@@ -58,7 +60,8 @@ def _run_group(world: int, model_dir: Path, out: Path, scenarios: list[str]) -> 
                 p.kill()
                 errs.append(p.communicate()[1] + "\n(timed out)")
         if all(p.returncode == 0 for p in procs):
-            return {s: [torch.load(out / f"{s.replace(':', '_')}_rank{r}.pt", weights_only=True) for r in range(world)]
+            return {s: [torch.load(out / f"{s.replace(':', '_')}_rank{r}.pt", weights_only=True, map_location="cpu")
+                        for r in range(world)]
                     for s in scenarios}
         if not any("address already in use" in e.lower() for e in errs):
             break

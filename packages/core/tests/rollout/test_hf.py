@@ -130,3 +130,33 @@ def test_rows_that_stop_early_leave_the_batch_without_disturbing_the_rest(hf_rol
         logits = model(ids).logits[0, len(res.prompt_ids) - 1 : -1]
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(res.response_ids)[:, None]).squeeze(-1)
         assert torch.allclose(expected, torch.tensor(res.log_probs), atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_update_weights_takes_a_mixtures_per_expert_checkpoint_names(arch, tmp_path, tiny_tokenizer):
+    """transformers fuses a mixture's experts in memory (experts.gate_up_proj [E, 2I, H]); engines stream them per
+    expert, as checkpoints name them. Each lands in its slice: the rollout then computes what transformers computes
+    on a checkpoint with those tensors."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.models.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / arch, arch=arch, seed=0)
+    rollout = HFRollout(RolloutConfig(max_batch_size=4), model_path=str(path), tokenizer=tiny_tokenizer)
+    disk = load_file(str(path / "model.safetensors"))
+    experts = sorted(n for n in disk if ".experts." in n)
+    assert experts and not any(n in dict(rollout.model.named_parameters()) for n in experts)
+    torch.manual_seed(0)
+    changed = {n: disk[n] + 0.1 * torch.randn_like(disk[n]) for n in experts}
+    with pytest.raises(ValueError, match=f"weight '{experts[0]}' has shape"):
+        rollout.update_weights([(experts[0], torch.zeros(3))])
+    for i in range(0, len(experts), 5):  # buckets split the experts of one layer
+        rollout.update_weights([(n, changed[n]) for n in experts[i : i + 5]])
+    save_file({**disk, **changed}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        assert torch.allclose(rollout.model(ids).logits, reference(ids).logits, atol=1e-6)
+        assert not torch.allclose(AutoModelForCausalLM.from_config(reference.config)(ids).logits,
+                                  reference(ids).logits, atol=1e-3)

@@ -44,3 +44,19 @@ def test_request_seeds_differ_per_offset_and_none_stays_none():
     assert request_seed(None, 3) is None
     assert len({request_seed(5, i) for i in range(8)}) == 8
     assert request_seed(5, 0) == 5
+
+
+def test_shapes_of_a_mixture_of_experts_include_its_checkpoint_names(tmp_path):
+    """Engine-backed rollouts check buckets against both transformers' fused experts and the per-expert names of
+    the checkpoint (what vLLM loads and the megatron engine streams)."""
+    from safetensors import safe_open
+
+    from polyrl.models.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "moe", arch="qwen3_moe")
+    shapes = hf_param_shapes(str(path))
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        disk = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+    assert all(shapes[n] == s for n, s in disk.items())
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == (4, 128, 64)  # 4 experts, 2 x 64, hidden 64
+    assert shapes["model.layers.1.mlp.experts.3.up_proj.weight"] == (64, 64)

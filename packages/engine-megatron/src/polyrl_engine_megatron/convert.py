@@ -12,6 +12,11 @@ Layouts (megatron-core's "local" GPT layer, see :mod:`polyrl_engine_megatron.mod
 * ``mlp.linear_fc1``: each tensor-parallel rank holds ``[gate shard; up shard]`` (megatron's GLU chunks in two).
 * ``linear_proj`` / ``linear_fc2`` are split along their input dimension; the embedding and the output layer
   along the vocabulary; norms and the critic's value head are replicated.
+* mixtures of experts (Qwen3-MoE ``mlp.gate`` / ``mlp.experts.E.{gate,up,down}_proj``, Mixtral
+  ``block_sparse_moe.gate`` / ``block_sparse_moe.experts.E.{w1,w3,w2}``, the names their checkpoints and vLLM use):
+  ``mlp.router.weight`` is replicated; expert ``E`` lives on expert-parallel rank ``E // (experts / ep)`` as
+  ``mlp.experts.local_experts.{E mod experts/ep}``, its ``linear_fc1`` / ``linear_fc2`` split over the expert
+  tensor-parallel ranks as a dense MLP's are over TP.
 """
 
 from __future__ import annotations
@@ -38,43 +43,81 @@ _REPLICATED, _ROWS, _COLS, _QKV, _FC1 = "replicated", "rows", "cols", "qkv", "fc
 
 @dataclass(frozen=True)
 class _Entry:
-    """One megatron tensor (``mcore``, named as on its own pipeline stage) and the HF tensors it holds."""
+    """One megatron tensor (``mcore``, named as on its own pipeline stage) and the HF tensors it holds.
+
+    An expert's tensor has ``expert`` >= 0 (its global index) and ``{local}`` in ``mcore`` for its index among the
+    experts of the expert-parallel rank that holds it.
+    """
 
     mcore: str
     stage: int
     kind: str  # _REPLICATED, _ROWS (split along dim 0), _COLS (dim 1), _QKV, _FC1
     hf: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]  # full HF shape of each of ``hf``
+    expert: int = -1
+
+    def local_name(self, experts_per_rank: int) -> str:
+        """``mcore`` with the expert's index on its expert-parallel rank filled in."""
+        return self.mcore.format(local=self.expert % experts_per_rank) if self.expert >= 0 else self.mcore
+
+
+def _moe_names(spec: ModelSpec, i: int) -> tuple[str, Any]:
+    """HF name of layer ``i``'s router, and of expert ``e``'s (gate, up, down) weights."""
+    if spec.model_type == "mixtral":
+        base = f"model.layers.{i}.block_sparse_moe."
+        return base + "gate.weight", lambda e: tuple(f"{base}experts.{e}.{w}.weight" for w in ("w1", "w3", "w2"))
+    base = f"model.layers.{i}.mlp."
+    return base + "gate.weight", lambda e: tuple(f"{base}experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down"))
 
 
 def _entries(spec: ModelSpec, pp: int, value_head: bool) -> list[_Entry]:
     """Every converted tensor, in HF order, with the pipeline stage that holds it."""
     per_stage = spec.num_layers // pp
-    out = [_Entry("embedding.word_embeddings.weight", 0, _ROWS, ("model.embed_tokens.weight",))]
+    hidden, vocab, ffn, moe_ffn = spec.hidden_size, spec.vocab_size, spec.ffn_hidden_size, spec.moe_ffn_hidden_size
+    q, kv, d = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.head_dim
+    norm = ((hidden,),)
+    out = [_Entry("embedding.word_embeddings.weight", 0, _ROWS, ("model.embed_tokens.weight",), ((vocab, hidden),))]
     for i in range(spec.num_layers):
         stage, j = divmod(i, per_stage)
         m, h = f"decoder.layers.{j}.", f"model.layers.{i}."
         att = f"{h}self_attn."
-        out.append(_Entry(m + "input_layernorm.weight", stage, _REPLICATED, (h + "input_layernorm.weight",)))
+        out.append(_Entry(m + "input_layernorm.weight", stage, _REPLICATED, (h + "input_layernorm.weight",), norm))
         out.append(_Entry(m + "self_attention.linear_qkv.weight", stage, _QKV,
-                          tuple(f"{att}{p}_proj.weight" for p in "qkv")))
+                          tuple(f"{att}{p}_proj.weight" for p in "qkv"), ((q, hidden), (kv, hidden), (kv, hidden))))
         if spec.qkv_bias:
             out.append(_Entry(m + "self_attention.linear_qkv.bias", stage, _QKV,
-                              tuple(f"{att}{p}_proj.bias" for p in "qkv")))
+                              tuple(f"{att}{p}_proj.bias" for p in "qkv"), ((q,), (kv,), (kv,))))
         if spec.qk_norm:
-            out.append(_Entry(m + "self_attention.q_layernorm.weight", stage, _REPLICATED, (att + "q_norm.weight",)))
-            out.append(_Entry(m + "self_attention.k_layernorm.weight", stage, _REPLICATED, (att + "k_norm.weight",)))
-        out.append(_Entry(m + "self_attention.linear_proj.weight", stage, _COLS, (att + "o_proj.weight",)))
-        out.append(_Entry(m + "pre_mlp_layernorm.weight", stage, _REPLICATED, (h + "post_attention_layernorm.weight",)))
-        out.append(_Entry(m + "mlp.linear_fc1.weight", stage, _FC1, (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight")))
-        out.append(_Entry(m + "mlp.linear_fc2.weight", stage, _COLS, (h + "mlp.down_proj.weight",)))
+            out.append(_Entry(m + "self_attention.q_layernorm.weight", stage, _REPLICATED, (att + "q_norm.weight",),
+                              ((d,),)))
+            out.append(_Entry(m + "self_attention.k_layernorm.weight", stage, _REPLICATED, (att + "k_norm.weight",),
+                              ((d,),)))
+        out.append(_Entry(m + "self_attention.linear_proj.weight", stage, _COLS, (att + "o_proj.weight",),
+                          ((hidden, q),)))
+        out.append(_Entry(m + "pre_mlp_layernorm.weight", stage, _REPLICATED, (h + "post_attention_layernorm.weight",),
+                          norm))
+        if spec.is_moe:
+            router, expert_names = _moe_names(spec, i)
+            out.append(_Entry(m + "mlp.router.weight", stage, _REPLICATED, (router,), ((spec.num_experts, hidden),)))
+            for e in range(spec.num_experts):
+                gate, up, down = expert_names(e)
+                local = m + "mlp.experts.local_experts.{local}."
+                out.append(_Entry(local + "linear_fc1.weight", stage, _FC1, (gate, up),
+                                  ((moe_ffn, hidden), (moe_ffn, hidden)), expert=e))
+                out.append(_Entry(local + "linear_fc2.weight", stage, _COLS, (down,), ((hidden, moe_ffn),), expert=e))
+        else:
+            out.append(_Entry(m + "mlp.linear_fc1.weight", stage, _FC1, (h + "mlp.gate_proj.weight",
+                                                                         h + "mlp.up_proj.weight"),
+                              ((ffn, hidden), (ffn, hidden))))
+            out.append(_Entry(m + "mlp.linear_fc2.weight", stage, _COLS, (h + "mlp.down_proj.weight",), ((hidden, ffn),)))
     last = pp - 1
-    out.append(_Entry("decoder.final_layernorm.weight", last, _REPLICATED, ("model.norm.weight",)))
+    out.append(_Entry("decoder.final_layernorm.weight", last, _REPLICATED, ("model.norm.weight",), norm))
     if value_head:
-        out.append(_Entry("output_layer.score.weight", last, _REPLICATED, ("score.weight",)))
+        out.append(_Entry("output_layer.score.weight", last, _REPLICATED, ("score.weight",), ((1, hidden),)))
         if spec.value_head_bias:
-            out.append(_Entry("output_layer.score.bias", last, _REPLICATED, ("score.bias",)))
+            out.append(_Entry("output_layer.score.bias", last, _REPLICATED, ("score.bias",), ((1,),)))
     elif not spec.tie_word_embeddings:
-        out.append(_Entry("output_layer.weight", last, _ROWS, ("lm_head.weight",)))
+        out.append(_Entry("output_layer.weight", last, _ROWS, ("lm_head.weight",), ((vocab, hidden),)))
     return out
 
 
@@ -82,25 +125,11 @@ def hf_param_shapes(hf_config: Any, *, value_head: bool = False) -> dict[str, tu
     """HF tensor names -> shapes of everything the converter reads and writes, in HF order.
 
     A tied model (``tie_word_embeddings``) has no ``lm_head.weight`` (``save_pretrained`` writes none either);
-    ``value_head`` adds ``score.weight`` (and ``score.bias``) of ``XForTokenClassification``.
+    ``value_head`` adds ``score.weight`` (and ``score.bias``) of ``XForTokenClassification``. Mixtures of experts
+    are named per expert, as their checkpoints are (not transformers' fused in-memory ``experts.gate_up_proj``).
     """
-    s = model_spec(hf_config)
-    q, kv = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    shapes: dict[str, tuple[int, ...]] = {}
-    for entry in _entries(s, 1, value_head):
-        for name in entry.hf:
-            leaf = name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]
-            shapes[name] = {
-                "embed_tokens.weight": (s.vocab_size, s.hidden_size), "lm_head.weight": (s.vocab_size, s.hidden_size),
-                "q_proj.weight": (q, s.hidden_size), "k_proj.weight": (kv, s.hidden_size),
-                "v_proj.weight": (kv, s.hidden_size), "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
-                "o_proj.weight": (s.hidden_size, q), "q_norm.weight": (s.head_dim,), "k_norm.weight": (s.head_dim,),
-                "gate_proj.weight": (s.ffn_hidden_size, s.hidden_size),
-                "up_proj.weight": (s.ffn_hidden_size, s.hidden_size),
-                "down_proj.weight": (s.hidden_size, s.ffn_hidden_size), "score.weight": (1, s.hidden_size),
-                "score.bias": (1,),
-            }.get(leaf, (s.hidden_size,))  # the RMSNorm weights
-    return shapes
+    return {name: shape for entry in _entries(model_spec(hf_config), 1, value_head)
+            for name, shape in zip(entry.hf, entry.shapes, strict=True)}
 
 
 class _SafetensorsFolder(Mapping[str, torch.Tensor]):
@@ -184,19 +213,26 @@ def _unshard(entry: _Entry, shards: list[torch.Tensor], spec: ModelSpec) -> list
 
 def hf_to_megatron_state_dict(hf_source: Mapping[str, torch.Tensor] | str | os.PathLike, hf_config: Any, *,
                               tp_rank: int = 0, tp: int = 1, pp_rank: int = 0, pp: int = 1,
-                              value_head: bool = False) -> dict[str, torch.Tensor]:
+                              value_head: bool = False, ep_rank: int = 0, ep: int = 1, etp_rank: int | None = None,
+                              etp: int | None = None) -> dict[str, torch.Tensor]:
     """This rank's megatron-core state dict (names as ``GPTModel.state_dict()``, no ``_extra_state``).
 
     ``hf_source``: an HF state dict, or a checkpoint folder (safetensors, sharded with an index or not; only the
     tensors of stage ``pp_rank`` are read). Tied embeddings also fill the last stage's output layer when
     ``pp > 1`` (megatron keeps a copy there). A critic's head (``score.*``) is taken when the source has it and
-    left out otherwise (the model keeps its zero head). A missing tensor is a ConfigError naming it.
+    left out otherwise (the model keeps its zero head). A mixture of experts keeps the experts of expert-parallel
+    rank ``ep_rank`` of ``ep``, split over ``etp`` expert tensor-parallel ranks (default: ``tp``). A missing tensor
+    is a ConfigError naming it.
     """
     spec = model_spec(hf_config)
     source = _source(hf_source)
-    entries = [e for e in _entries(spec, pp, value_head) if e.stage == pp_rank]
+    etp, etp_rank = (tp, tp_rank) if etp is None else (etp, etp_rank or 0)
+    per_rank = max(1, spec.num_experts // ep)
+    entries = [e for e in _entries(spec, pp, value_head)
+               if e.stage == pp_rank and (e.expert < 0 or e.expert // per_rank == ep_rank)]
     if spec.tie_word_embeddings and not value_head and pp > 1 and pp_rank == pp - 1:
-        entries.append(_Entry("output_layer.weight", pp_rank, _ROWS, ("model.embed_tokens.weight",)))
+        entries.append(_Entry("output_layer.weight", pp_rank, _ROWS, ("model.embed_tokens.weight",),
+                              ((spec.vocab_size, spec.hidden_size),)))
     out: dict[str, torch.Tensor] = {}
     for entry in entries:
         missing = [name for name in entry.hf if name not in source]
@@ -205,7 +241,9 @@ def hf_to_megatron_state_dict(hf_source: Mapping[str, torch.Tensor] | str | os.P
         if missing:
             raise ConfigError(f"HF checkpoint has no tensor {missing[0]!r}, which a {spec.model_type} model with "
                               f"this config needs (is it the checkpoint config.json describes?)")
-        out[entry.mcore] = _shard(entry, [source[name] for name in entry.hf], spec, tp_rank, tp).contiguous()
+        rank, size = (etp_rank, etp) if entry.expert >= 0 else (tp_rank, tp)
+        out[entry.local_name(per_rank)] = _shard(entry, [source[name] for name in entry.hf], spec, rank,
+                                                 size).contiguous()
     return out
 
 
@@ -228,7 +266,9 @@ def load_hf_weights(model: Any, hf_source: Mapping[str, torch.Tensor] | str | os
     state = hf_to_megatron_state_dict(
         hf_source, hf_config, tp_rank=ps.get_tensor_model_parallel_rank(), tp=ps.get_tensor_model_parallel_world_size(),
         pp_rank=ps.get_pipeline_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_world_size(),
-        value_head=value_head,
+        value_head=value_head, ep_rank=ps.get_expert_model_parallel_rank(),
+        ep=ps.get_expert_model_parallel_world_size(), etp_rank=ps.get_expert_tensor_parallel_rank(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
     )
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     for name, tensor in state.items():
@@ -250,12 +290,15 @@ def iter_hf_weights(model: Any, hf_config: Any, *, value_head: bool = False,
                     bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Full HF-named tensors of a (possibly wrapped) megatron model, in buckets of about ``bucket_bytes``.
 
-    Collective over this rank's tensor- and pipeline-parallel groups: every rank of the model-parallel group
-    must iterate it to the end, in step. Every one of those ranks receives every tensor (HF order, HF shapes,
-    the model's dtype and device); data-parallel replicas do not communicate. A bucket is yielded once it holds
-    ``bucket_bytes`` (so it exceeds that by at most the HF tensors of one megatron tensor, e.g. gate + up), and
-    tensors are rebuilt only as the consumer asks for the next bucket: one bucket is held at a time. Tied embeddings yield
-    ``model.embed_tokens.weight`` only, as ``save_pretrained`` writes them.
+    Collective over this rank's tensor-, pipeline- and (for a mixture of experts) expert-parallel groups: every
+    rank of those groups must iterate it to the end, in step. Every one of those ranks receives every tensor (HF
+    order, HF shapes, the model's dtype and device); data-parallel replicas do not communicate (with expert
+    parallelism the ranks of an expert-parallel group are data-parallel ranks of the dense layers, and each expert
+    is broadcast from the rank that holds it). A bucket is yielded once it holds ``bucket_bytes`` (so it exceeds
+    that by at most the HF tensors of one megatron tensor, e.g. gate + up), and tensors are rebuilt only as the
+    consumer asks for the next bucket: one bucket is held at a time. Tied embeddings yield
+    ``model.embed_tokens.weight`` only, as ``save_pretrained`` writes them. Experts are named per expert, as the
+    family's checkpoints (and vLLM's loaders) name them.
     """
     from megatron.core import parallel_state as ps
 
@@ -264,23 +307,31 @@ def iter_hf_weights(model: Any, hf_config: Any, *, value_head: bool = False,
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     stage = ps.get_pipeline_model_parallel_rank()
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
-    shapes = hf_param_shapes(hf_config, value_head=value_head)
+    ep = ps.get_expert_model_parallel_world_size() if spec.is_moe else 1
+    ep_rank = ps.get_expert_model_parallel_rank() if spec.is_moe else 0
+    etp = ps.get_expert_tensor_parallel_world_size() if spec.is_moe else 1
+    per_rank = max(1, spec.num_experts // ep)
     params = model.state_dict(keep_vars=False)
     first = next(iter(model.parameters()))
     dtype, device = first.dtype, first.device
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for entry in _entries(spec, pp, value_head):
-        if entry.stage == stage:
-            local = params[entry.mcore].detach()
-            if entry.kind != _REPLICATED and tp > 1:
-                shards = [torch.empty_like(local) for _ in range(tp)]
-                dist.all_gather(shards, local.contiguous(), group=tp_group)
+        owner = entry.expert // per_rank if entry.expert >= 0 else ep_rank
+        if entry.stage == stage and owner == ep_rank:
+            local = params[entry.local_name(per_rank)].detach()
+            split, group = (etp, ps.get_expert_tensor_parallel_group()) if entry.expert >= 0 else (tp, tp_group)
+            if entry.kind != _REPLICATED and split > 1:
+                shards = [torch.empty_like(local) for _ in range(split)]
+                dist.all_gather(shards, local.contiguous(), group=group)
             else:
                 shards = [local]
             tensors = [t.to(dtype).contiguous() for t in _unshard(entry, shards, spec)]
         else:
-            tensors = [torch.empty(shapes[name], dtype=dtype, device=device) for name in entry.hf]
+            tensors = [torch.empty(shape, dtype=dtype, device=device) for shape in entry.shapes]
+        if entry.expert >= 0 and ep > 1 and entry.stage == stage:
+            for t in tensors:
+                dist.broadcast(t, group=ps.get_expert_model_parallel_group(), group_src=owner)
         if pp > 1:
             for t in tensors:
                 dist.broadcast(t, group=pp_group, group_src=entry.stage)

@@ -65,6 +65,8 @@ _MODULES = (
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.distributed",
     "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
 )
 # (module, qualified name) of the functions that call Tensor.cuda()/Tensor.type() on parameters, gradients and
 # optimizer states (every such call site in megatron-core 0.16.1 on the GPT/optimizer/checkpoint paths).
@@ -79,6 +81,7 @@ _TENSOR_AS_CUDA_FUNCTIONS = (
     ("megatron.core.dist_checkpointing.exchange_utils", "exchange_loaded_tensors_gather_rounds"),
     ("megatron.core.dist_checkpointing.exchange_utils", "exchange_loaded_tensors_broadcast"),
     ("megatron.core.tensor_parallel.data", "broadcast_data"),
+    ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank"),
 )
 _RNG_WARNING = "CPU RNG state changed within GPU RNG context"
 
@@ -107,13 +110,14 @@ def check_megatron_core() -> str:
 
 
 class _NoOpStream:
-    """A CUDA stream or event stand-in: every method does nothing (CPU work is already ordered)."""
+    """A CUDA stream or event stand-in: every method does nothing (CPU work is already ordered) and returns another
+    stand-in (``stream.record_event()`` is an event whose ``synchronize()`` megatron's MoE dispatcher calls)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: _NoOpStream()
 
     def query(self) -> bool:
         return True
@@ -207,6 +211,8 @@ def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
     def wrapper(*args: Any, **kwargs: Any) -> torch.Tensor:
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory") and not torch.cuda.is_available():  # no pinned-memory allocator without CUDA
+            kwargs["pin_memory"] = False
         return factory(*args, **kwargs)
 
     return wrapper
@@ -283,6 +289,22 @@ def _wrap_function(module: types.ModuleType, qualname: str) -> None:
     for name, other in list(sys.modules.items()):
         if name.startswith("megatron.core") and other is not None and getattr(other, qualname, None) is fn:
             setattr(other, qualname, wrapped)
+
+
+def _move_tensor_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's ``moe_utils.maybe_move_tensor_to_cpu`` with the CPU as the device: the MoE token dispatcher moves
+    its split sizes "to the host" and, with ``as_numpy``, expects numpy arrays (it hands them to all-to-all)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _replace_function(module_name: str, name: str, replacement: Callable[..., Any]) -> None:
+    """``module_name.name`` becomes ``replacement``, also where other megatron modules imported it by name."""
+    original = getattr(importlib.import_module(module_name), name)
+    for mod_name, module in list(sys.modules.items()):
+        if mod_name.startswith("megatron.core") and module is not None and getattr(module, name, None) is original:
+            setattr(module, name, replacement)
 
 
 def _get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -363,6 +385,7 @@ def apply_cpu_emulation() -> None:
         logging.getLogger(random.__name__).addFilter(_DropExpectedRNGWarning())
         for module_name, qualname in _TENSOR_AS_CUDA_FUNCTIONS:
             _wrap_function(importlib.import_module(module_name), qualname)
+        _replace_function("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu", _move_tensor_to_host)
         sys.meta_path.insert(0, _PatchOnImport())
         _applied = True
     n = _patch_loaded_modules()

@@ -16,6 +16,7 @@ no rank ever holds logits over the whole vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -69,31 +70,96 @@ def _dtype(name: str, key: str) -> torch.dtype:
     return value
 
 
+_DISPATCHERS = ("alltoall", "allgather")
+_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+_RECOMPUTE = {"recompute_granularity": ("full", "selective"), "recompute_method": ("uniform", "block")}
+
+
 def _check_role_config(config: Any, role: str, world_size: int) -> tuple[Any, MegatronConfig, int]:
     """Everything about a role's config that can be wrong, checked without a process group.
 
     Returns ``(hf_config, megatron block, data-parallel size)``; raises :class:`ConfigError` naming the key.
     """
     from polyrl_engine_megatron.cpu_emulation import check_megatron_core
-    from polyrl_engine_megatron.model import validate_layout
+    from polyrl_engine_megatron.model import model_spec, validate_layout
 
     check_megatron_core()
     block = _megatron_block(config)
+    key = f"{role}.megatron"
     if config.model.lora.rank > 0:
         raise ConfigError(f"{role}.model.lora.rank={config.model.lora.rank}: engine 'megatron' has no LoRA "
                           "(megatron-core has no adapter layers for the local model spec). Set "
                           f"{role}.model.lora.rank=0, or use {role}.engine=fsdp for LoRA")
-    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        if getattr(block, key) < 1:
-            raise ConfigError(f"{role}.megatron.{key}={getattr(block, key)} must be at least 1")
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size"):
+        if getattr(block, name) < 1:
+            raise ConfigError(f"{key}.{name}={getattr(block, name)} must be at least 1")
     _dtype(config.model.dtype, f"{role}.model.dtype")
     if block.param_dtype is not None:
         _dtype(block.param_dtype, f"{role}.megatron.param_dtype")
+    _check_choices(block, key)
     hf_config = _hf_config(config, role)
     dp = validate_layout(hf_config, tp=block.tensor_model_parallel_size, pp=block.pipeline_model_parallel_size,
-                         world_size=world_size, key=f"{role}.megatron", sequence_parallel=block.sequence_parallel,
-                         lora=False)
+                         world_size=world_size, key=key, sequence_parallel=block.sequence_parallel,
+                         lora=False, cp=block.context_parallel_size, ep=block.expert_model_parallel_size,
+                         etp=block.expert_tensor_parallel_size, source=f"{role}.model.path={config.model.path}")
+    if not model_spec(hf_config).is_moe:
+        defaults = MegatronConfig()
+        for name in ("moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_z_loss_coeff",
+                     "moe_token_dispatcher_type"):
+            if getattr(block, name) != getattr(defaults, name):
+                raise ConfigError(f"{key}.{name}={getattr(block, name)!r} is set, but {role}.model.path is not a "
+                                  "mixture of experts (it has no router); remove it")
     return hf_config, block, dp
+
+
+def _check_choices(block: MegatronConfig, key: str) -> None:
+    """The megatron block's enumerated and free-form keys (no model needed)."""
+    from dataclasses import fields
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if block.moe_token_dispatcher_type not in _DISPATCHERS:
+        raise ConfigError(f"{key}.moe_token_dispatcher_type={block.moe_token_dispatcher_type!r}: choose one of "
+                          f"{', '.join(_DISPATCHERS)}")
+    if block.moe_router_load_balancing_type not in _BALANCING:
+        raise ConfigError(f"{key}.moe_router_load_balancing_type={block.moe_router_load_balancing_type!r}: choose "
+                          f"one of {', '.join(_BALANCING)}")
+    if block.moe_aux_loss_coeff < 0:
+        raise ConfigError(f"{key}.moe_aux_loss_coeff={block.moe_aux_loss_coeff} must be >= 0")
+    for name, choices in _RECOMPUTE.items():
+        value = getattr(block, name)
+        if value is not None and value not in choices:
+            raise ConfigError(f"{key}.{name}={value!r}: choose one of {', '.join(choices)} (or null)")
+    if block.recompute_granularity == "full" and block.recompute_method is None:
+        raise ConfigError(f"{key}.recompute_granularity=full needs {key}.recompute_method (uniform or block) and "
+                          f"{key}.recompute_num_layers")
+    if block.recompute_method is not None and not (block.recompute_num_layers or 0) >= 1:
+        raise ConfigError(f"{key}.recompute_method={block.recompute_method!r} needs {key}.recompute_num_layers >= 1")
+    known = {f.name for f in fields(TransformerConfig)}
+    for name in block.override_transformer_config:
+        if name not in known:
+            raise ConfigError(f"{key}.override_transformer_config.{name}: megatron-core's TransformerConfig has no "
+                              "such field")
+
+
+def _transformer_overrides(block: MegatronConfig, config: Any, *, moe: bool) -> dict[str, Any]:
+    """The TransformerConfig fields the role's config sets: recomputation, MoE routing, verl-style overrides."""
+    out: dict[str, Any] = {}
+    if block.recompute_granularity is not None:
+        out["recompute_granularity"] = block.recompute_granularity
+        if block.recompute_granularity == "full":
+            out.update(recompute_method=block.recompute_method, recompute_num_layers=block.recompute_num_layers)
+        if block.recompute_modules is not None:
+            out["recompute_modules"] = list(block.recompute_modules)
+    elif config.model.gradient_checkpointing:
+        out.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if moe:
+        out.update(moe_aux_loss_coeff=block.moe_aux_loss_coeff, moe_z_loss_coeff=block.moe_z_loss_coeff,
+                   moe_router_load_balancing_type=block.moe_router_load_balancing_type,
+                   moe_token_dispatcher_type=block.moe_token_dispatcher_type)
+    out.update(block.override_transformer_config)
+    return out
 
 
 # ---------------------------------------------------------------------------- micro-batches
@@ -101,36 +167,50 @@ def _check_role_config(config: Any, role: str, world_size: int) -> tuple[Any, Me
 
 @dataclass
 class _MicroBatch:
-    """One micro-batch as the model sees it: rows packed to the left, and where each response token is."""
+    """One micro-batch as this rank's model sees it, and where each scored response token is.
+
+    Rows are packed to the left (a row's real tokens without the padding between prompt and response). Padded
+    layout: ``input_ids [b, S]``, each row padded on the right to the micro-batch's longest. Packed layout
+    (``use_remove_padding``): every row one after the other in ``input_ids [1, T]``, each padded to a multiple of
+    the split unit, with ``cu_seqlens``. With context parallelism this rank holds chunks ``r`` and ``2 CP - 1 - r`` of
+    every sequence (of every row in the padded layout); ``mine`` says which scored tokens it predicts.
+    """
 
     td: TensorDict  # the rows, response-width fields trimmed to ``width`` (what the loss closure gets)
-    input_ids: torch.Tensor  # [b, S] packed to the left, padded with 0 on the right
-    position_ids: torch.Tensor  # [b, S]
-    rows: torch.Tensor  # [N] row of each scored response token
+    input_ids: torch.Tensor  # [b, S / cp] or [1, T / cp]: this rank's tokens
+    position_ids: torch.Tensor  # same shape: each token's position in its sequence
+    padding: torch.Tensor  # same shape, True at padding (MoE routing leaves it out of the load-balancing loss)
+    rows: torch.Tensor  # [N] row of each scored response token (every rank: the whole micro-batch)
     cols: torch.Tensor  # [N] its column in the response
-    pred: torch.Tensor  # [N] the packed position whose output predicts it
-    targets: torch.Tensor  # [N] the token id
+    mine: torch.Tensor  # [M] which of the N this rank predicts (all N without context parallelism)
+    pred_row: torch.Tensor  # [M] batch index of the predicting position in this rank's output
+    pred_pos: torch.Tensor  # [M] its sequence index in this rank's output
+    targets: torch.Tensor  # [M] the token ids
     width: int  # response columns kept
+    cu_seqlens: torch.Tensor | None = None  # packed layout: [rows + 1] padded sequence boundaries (int32)
+    max_seqlen: int = 0
 
 
-def _pack(td: TensorDict, multiple: int) -> _MicroBatch:
-    """Pack ``td``'s rows to the left and index the response tokens (see :class:`_MicroBatch`).
+def _pack(td: TensorDict, multiple: int = 1, *, cp: int = 1, cp_rank: int = 0, packed: bool = False) -> _MicroBatch:
+    """Pack ``td``'s rows (see :class:`_MicroBatch`) and index the response tokens.
 
-    Response token ``t`` of a row is scored when it and the token before it are real (attention 1); its
-    prediction comes from the packed position of the token before it. ``multiple`` rounds the packed length
-    up (sequence parallelism splits the sequence over the tensor-parallel ranks).
+    Response token ``t`` of a row is scored when it and the token before it are real (attention 1); its prediction
+    comes from the packed position of the token before it. A sequence (the padded micro-batch, or each packed row)
+    is padded to a multiple of ``multiple`` (sequence parallelism splits it over the tensor-parallel ranks), times
+    ``2 * cp`` with context parallelism (megatron's load-balanced chunks).
     """
+    from polyrl_engine_megatron.attention import cp_chunk_positions
+
     ids, attn = td["input_ids"], td["attention_mask"].bool()
     b, s = ids.shape
     r = td["responses"].shape[1]
+    unit = multiple * (2 * cp if cp > 1 else 1)
     place = attn.long().cumsum(-1) - 1  # packed position of each real token
-    length = max(1, int(attn.sum(-1).max()))
-    length = -(-length // multiple) * multiple
-    packed = torch.zeros(b, length, dtype=ids.dtype)
+    lengths = attn.sum(-1)
     real_rows, real_cols = attn.nonzero(as_tuple=True)
-    packed[real_rows, place[real_rows, real_cols]] = ids[real_rows, real_cols]
     prev = torch.cat([torch.zeros(b, 1, dtype=torch.bool), attn[:, :-1]], dim=1)
     rows, cols = (attn[:, s - r :] & prev[:, s - r :]).nonzero(as_tuple=True)
+    pred = place[rows, s - r + cols] - 1
     width = max(1, int(attn[:, s - r :].sum(-1).max()))
     out = td.clone(False)
     for key in list(td.keys()):
@@ -138,16 +218,45 @@ def _pack(td: TensorDict, multiple: int) -> _MicroBatch:
         if (isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == r
                 and key not in ("input_ids", "attention_mask", "position_ids")):
             out[key] = value[:, :width]
-    return _MicroBatch(td=out, input_ids=packed, position_ids=torch.arange(length).expand(b, length).contiguous(),
-                       rows=rows, cols=cols, pred=place[rows, s - r + cols] - 1, targets=td["responses"][rows, cols],
-                       width=width)
+    targets = td["responses"][rows, cols]
+    if packed:
+        padded = (lengths.clamp(min=1) + unit - 1) // unit * unit
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), padded.cumsum(0)])
+        flat = torch.zeros(int(starts[-1]), dtype=ids.dtype)
+        flat[starts[real_rows] + place[real_rows, real_cols]] = ids[real_rows, real_cols]
+        chunks = [cp_chunk_positions(int(n), cp, cp_rank) for n in padded]
+        order = torch.cat([int(starts[i]) + c for i, c in enumerate(chunks)])  # this rank's tokens, global index
+        positions = torch.cat(chunks)
+        seq_of = torch.cat([torch.full((len(c),), i) for i, c in enumerate(chunks)])
+        local = torch.full((int(starts[-1]),), -1, dtype=torch.long)
+        local[order] = torch.arange(len(order))
+        where = local[starts[rows] + pred]
+        mine = (where >= 0).nonzero(as_tuple=True)[0]
+        return _MicroBatch(td=out, input_ids=flat[order][None], position_ids=positions[None],
+                           padding=(positions >= lengths[seq_of])[None], rows=rows, cols=cols, mine=mine,
+                           pred_row=torch.zeros_like(mine), pred_pos=where[mine], targets=targets[mine], width=width,
+                           cu_seqlens=starts.to(torch.int32), max_seqlen=int(padded.max()))
+    length = -(-max(1, int(lengths.max())) // unit) * unit
+    full = torch.zeros(b, length, dtype=ids.dtype)
+    full[real_rows, place[real_rows, real_cols]] = ids[real_rows, real_cols]
+    order = cp_chunk_positions(length, cp, cp_rank)
+    local = torch.full((length,), -1, dtype=torch.long)
+    local[order] = torch.arange(len(order))
+    where = local[pred]
+    mine = (where >= 0).nonzero(as_tuple=True)[0]
+    positions = order.expand(b, -1).contiguous()
+    return _MicroBatch(td=out, input_ids=full[:, order], position_ids=positions,
+                       padding=positions >= lengths[:, None], rows=rows, cols=cols, mine=mine, pred_row=rows[mine],
+                       pred_pos=where[mine], targets=targets[mine], width=width)
 
 
-def _split(batch: TensorDict, config: Any) -> list[torch.Tensor]:
+def _split(batch: TensorDict, config: Any, cp: int = 1) -> list[torch.Tensor]:
     """Row indices of each micro-batch: ``micro_batch_size`` rows, or by token budget with ``use_dynamic_bsz``.
 
     Deterministic in the batch alone, so every rank of a data-parallel group (which got the same shard)
-    runs the same micro-batches, as megatron's tensor- and pipeline-parallel exchanges need.
+    runs the same micro-batches, as megatron's tensor-, context- and pipeline-parallel exchanges need. The token
+    budget ``max_token_len_per_gpu`` is per rank: ``cp`` context-parallel ranks share a micro-batch of ``cp`` times
+    as many tokens (verl's rule).
     """
     size = batch.batch_size[0]
     if not config.use_dynamic_bsz:
@@ -158,7 +267,7 @@ def _split(batch: TensorDict, config: Any) -> list[torch.Tensor]:
     groups: list[list[int]] = []
     for i in order:  # first-fit decreasing; a packed micro-batch costs rows x its longest row
         for g in groups:
-            if max(lengths[j] for j in g + [i]) * (len(g) + 1) <= config.max_token_len_per_gpu:
+            if max(lengths[j] for j in g + [i]) * (len(g) + 1) <= config.max_token_len_per_gpu * cp:
                 g.append(i)
                 break
         else:
@@ -214,12 +323,13 @@ class MegatronEngine:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel size: world size / (TP x PP)."""
+        """Data-parallel size: world size / (TP x CP x PP)."""
         return self.parallel.dp
 
     @property
     def collects_output(self) -> bool:
-        """True on tensor-parallel rank 0 of the last pipeline stage: the one rank per DP group whose results count."""
+        """True on tensor- and context-parallel rank 0 of the last pipeline stage: the one rank per DP group whose
+        results count."""
         return self.parallel.collects_output
 
     # ------------------------------------------------------------------ construction
@@ -227,44 +337,42 @@ class MegatronEngine:
         from megatron.core import parallel_state as mpu
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        from polyrl_engine_megatron.convert import hf_to_megatron_state_dict, load_hf_weights
-        from polyrl_engine_megatron.model import build_gpt_model, transformer_config_from_hf
+        from polyrl_engine_megatron.convert import load_hf_weights
+        from polyrl_engine_megatron.model import build_gpt_model, model_spec, transformer_config_from_hf
         from polyrl_engine_megatron.parallel import init_parallel_state
 
         block, mcfg = self.megatron, self.config.model
         tp, pp = block.tensor_model_parallel_size, block.pipeline_model_parallel_size
+        cp, ep, etp = block.context_parallel_size, block.expert_model_parallel_size, block.expert_tensor_parallel_size
         try:
-            self.parallel = init_parallel_state(tp, pp, seed=self.config.seed,
+            self.parallel = init_parallel_state(tp, pp, cp=cp, ep=ep, etp=etp, seed=self.config.seed,
                                                 cpu=self.platform.device_type == "cpu", key=f"{self.role}.megatron")
         except RuntimeError as exc:  # another role of this process set up a different layout
-            raise ConfigError(f"{self.role}.megatron: TP={tp}, PP={pp} differs from the layout another role in this "
-                              f"worker already uses ({exc}); roles sharing workers must share "
-                              "tensor_model_parallel_size and pipeline_model_parallel_size") from None
+            raise ConfigError(f"{self.role}.megatron: TP={tp}, PP={pp}, CP={cp}, EP={ep} differs from the layout "
+                              f"another role in this worker already uses ({exc}); roles sharing workers must share "
+                              "the parallel sizes") from None
         dtype = _dtype(block.param_dtype or mcfg.dtype, f"{self.role}.megatron.param_dtype")
         self.dtype = dtype
-        overrides: dict[str, Any] = {}
-        if mcfg.gradient_checkpointing:
-            overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        self.spec = model_spec(self.hf_config)
+        overrides = _transformer_overrides(block, self.config, moe=self.spec.is_moe)
         tcfg = transformer_config_from_hf(self.hf_config, tp=tp, pp=pp, sequence_parallel=block.sequence_parallel,
-                                          dtype=dtype, **overrides)
+                                          dtype=dtype, cp=cp, ep=ep, etp=etp, **overrides)
         # micro-batches differ in length (padding is trimmed per micro-batch): stages exchange shapes first
         tcfg.variable_seq_lengths = True
         if tcfg.pipeline_dtype is None:
             tcfg.pipeline_dtype = dtype
         value = self.model_type == "value"
+        self.packed = bool(self.config.use_remove_padding)
         model = build_gpt_model(self.hf_config, value_head=value, tp=tp, pp=pp,
-                                sequence_parallel=block.sequence_parallel, dtype=dtype, config=tcfg)
+                                sequence_parallel=block.sequence_parallel, dtype=dtype, config=tcfg,
+                                packed=self.packed)
         model = model.to(self.device)
-        if mcfg.random_init:
-            # the weights transformers initialises from this seed (what the fsdp engine starts from)
-            model.load_state_dict(hf_to_megatron_state_dict(self._random_hf_state(), self.hf_config,
-                                                            tp_rank=self.parallel.tp_rank, tp=tp,
-                                                            pp_rank=self.parallel.pp_rank, pp=pp, value_head=value),
-                                  strict=False)
-        else:
-            load_hf_weights(model, mcfg.path, self.hf_config, value_head=value)
+        # the weights transformers initialises from this seed (what the fsdp engine starts from), or model.path's
+        load_hf_weights(model, self._random_hf_state() if mcfg.random_init else mcfg.path, self.hf_config,
+                        value_head=value)
         self.tcfg = tcfg
         self.tp_group = mpu.get_tensor_model_parallel_group()
+        self.cp_group = mpu.get_context_parallel_group()
         self.vocab_start = self.parallel.tp_rank * (self.hf_config.vocab_size // tp)
         if self.role == "ref":
             model.eval()
@@ -291,6 +399,10 @@ class MegatronEngine:
                 torch.nn.init.zeros_(model.score.bias)
         else:
             model = AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
+        if self.spec.is_moe:  # transformers fuses experts in memory; the converter reads checkpoint names
+            from transformers.core_model_loading import revert_weight_conversion
+
+            return revert_weight_conversion(model, model.state_dict())
         return model.state_dict()
 
     def _build_optimizer(self) -> None:
@@ -320,57 +432,148 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ forward passes
     def _check_same_shard(self, batch: TensorDict) -> None:
-        """Every rank of a model-parallel group must hold the same rows, or the TP/PP exchanges hang or mix rows."""
+        """Every rank of a model-parallel group (and of a context-parallel group) must hold the same rows, or the
+        TP/CP/PP exchanges hang or mix rows."""
         from megatron.core import parallel_state as mpu
 
-        if self.parallel.tp * self.parallel.pp == 1:
+        p = self.parallel
+        if p.tp * p.pp * p.cp == 1:
             return
         ids = batch["input_ids"].long()
         weights = torch.arange(1, ids.shape[1] + 1, dtype=torch.long)
         sig = torch.tensor([ids.shape[0], ids.shape[1], int((ids * weights).sum()), int(batch["attention_mask"].sum())],
                            dtype=torch.long)
-        lo, hi = sig.clone().to(self.device), sig.clone().to(self.device)
-        group = mpu.get_model_parallel_group()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-        if not torch.equal(lo, hi):
-            raise RuntimeError(
-                f"{self.role} engine: the ranks of one data-parallel group got different batches; with "
-                f"tensor/pipeline parallelism (TP={self.parallel.tp}, PP={self.parallel.pp}) every rank of a group "
-                "must get the same shard (dispatch by Engine.dp_rank, keep the results where collects_output)")
+        groups = [g for g, n in ((mpu.get_model_parallel_group(), p.tp * p.pp), (self.cp_group, p.cp)) if n > 1]
+        for group in groups:
+            lo, hi = sig.clone().to(self.device), sig.clone().to(self.device)
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+            if not torch.equal(lo, hi):
+                raise RuntimeError(
+                    f"{self.role} engine: the ranks of one data-parallel group got different batches; with "
+                    f"tensor/context/pipeline parallelism (TP={p.tp}, CP={p.cp}, PP={p.pp}) every rank of a group "
+                    "must get the same shard (dispatch by Engine.dp_rank, keep the results where collects_output)")
+
+    @property
+    def _chunked(self) -> bool:
+        """The causal LM computes log-probs from the final hidden states in chunks (``logits_chunk_size`` > 0)."""
+        return self.model_type != "value" and int(self.config.logits_chunk_size) > 0
 
     def _outputs(self, output: torch.Tensor, mb: _MicroBatch, temperature: float,
                  compute_entropy: bool) -> dict[str, torch.Tensor]:
-        """``log_probs`` (and ``entropy``) or ``values``, ``[b, width]``, from the last stage's output."""
-        selected = output[mb.rows, mb.pred]
-        shape = (mb.input_ids.shape[0], mb.width)
+        """``log_probs`` (and ``entropy``) or ``values``, ``[b, width]``, from the last stage's output.
+
+        ``output``: the final hidden states ``[s, b, h]`` (chunked log-probs), logits ``[b, s, V / tp]``, or values
+        ``[b, s, 1]``, for this rank's part of the sequence. With context parallelism each rank computes the tokens
+        it predicts and a sum over the context-parallel group gives every rank all of them; its backward is the
+        identity (every rank computes the same loss from the sum), so each rank's gradient flows through its own
+        tokens and megatron's all-reduce over DP x CP adds the parts up.
+        """
         if self.model_type == "value":
-            flat = {"values": selected[..., 0].float()}
+            flat = {"values": output[mb.pred_row, mb.pred_pos][..., 0].float()}
+        elif self._chunked:
+            flat = self._chunked_log_probs(output, mb, temperature, compute_entropy)
         else:
             from polyrl_engine_megatron.vocab_parallel import vocab_parallel_log_probs
 
-            lp, ent = vocab_parallel_log_probs(selected, mb.targets, vocab_start=self.vocab_start,
-                                               group=self.tp_group, temperature=temperature,
-                                               compute_entropy=compute_entropy)
+            lp, ent = vocab_parallel_log_probs(output[mb.pred_row, mb.pred_pos], mb.targets,
+                                               vocab_start=self.vocab_start, group=self.tp_group,
+                                               temperature=temperature, compute_entropy=compute_entropy)
             flat = {"log_probs": lp} if ent is None else {"log_probs": lp, "entropy": ent}
+        if self.parallel.cp > 1:
+            from polyrl_engine_megatron.vocab_parallel import sum_over_group
+
+            # a rank may predict no token of a micro-batch: the anchor keeps its graph (and the backward) connected
+            anchor = output.sum() * 0.0 if torch.is_grad_enabled() else 0.0
+            flat = {k: sum_over_group(torch.zeros(len(mb.rows), dtype=v.dtype, device=v.device).index_put(
+                (mb.mine,), v) + anchor, self.cp_group) for k, v in flat.items()}
+        shape = (len(mb.td), mb.width)
         return {k: torch.zeros(shape, dtype=v.dtype, device=v.device).index_put((mb.rows, mb.cols), v)
                 for k, v in flat.items()}
+
+    def _chunked_log_probs(self, hidden: torch.Tensor, mb: _MicroBatch, temperature: float,
+                           compute_entropy: bool) -> dict[str, torch.Tensor]:
+        """Log-probs (and entropy) of this rank's scored tokens from the final hidden states ``[s, b, h]``, through
+        the vocabulary-parallel output layer ``logits_chunk_size`` tokens at a time. Each chunk's logits
+        ``[chunk, V / tp]`` are recomputed in the backward pass (activation checkpointing), so no more than one
+        chunk's exist at once; nothing is computed for positions that predict no response token."""
+        from megatron.core.tensor_parallel import (
+            copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
+        )
+
+        from polyrl_engine_megatron.vocab_parallel import vocab_parallel_log_probs
+
+        if self.tcfg.sequence_parallel:  # each TP rank holds s / tp positions; the output layer needs all of them
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+        selected = hidden[mb.pred_pos, mb.pred_row]
+        if not self.tcfg.sequence_parallel and self.parallel.tp > 1:
+            # every TP rank uses the same states for its vocabulary slice: their gradients add up (megatron's
+            # column-parallel output layer does the same)
+            selected = copy_to_tensor_model_parallel_region(selected)
+        weight = (self.inner.shared_embedding_or_output_weight() if self.inner.share_embeddings_and_output_weights
+                  else self.inner.output_layer.weight)
+
+        def chunk_fn(h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            lp, ent = vocab_parallel_log_probs(torch.nn.functional.linear(h, w), y, vocab_start=self.vocab_start,
+                                               group=self.tp_group, temperature=temperature,
+                                               compute_entropy=compute_entropy)
+            return lp, (ent if ent is not None else torch.zeros_like(lp))
+
+        size = int(self.config.logits_chunk_size)
+        parts = []
+        for start in range(0, selected.shape[0], size):
+            h, y = selected[start : start + size], mb.targets[start : start + size]
+            if torch.is_grad_enabled():
+                parts.append(torch.utils.checkpoint.checkpoint(chunk_fn, h, y, weight, use_reentrant=False))
+            else:
+                parts.append(chunk_fn(h, y, weight))
+        if not parts:  # no scored token here: keep the graph connected (the output layer gets a zero gradient)
+            zero = selected.sum(-1) * 0.0 + weight.sum() * 0.0
+            parts.append((zero.float(), zero.float()))
+        out = {"log_probs": torch.cat([p[0] for p in parts])}
+        if compute_entropy:
+            out["entropy"] = torch.cat([p[1] for p in parts])
+        return out
 
     def _run(self, batch: TensorDict, on_output: Callable[[torch.Tensor, _MicroBatch], tuple[torch.Tensor, Any]],
              forward_only: bool) -> list[tuple[_MicroBatch, Any]]:
         """Run megatron's schedule over ``batch``'s micro-batches; ``on_output`` runs on the last stage."""
+        from megatron.core.packed_seq_params import PackedSeqParams
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        multiple = self.parallel.tp if self.megatron.sequence_parallel else 1
+        p = self.parallel
+        multiple = p.tp if self.megatron.sequence_parallel else 1
         device = self.device
-        mbs = [_pack(batch[rows], multiple) for rows in _split(batch, self.config)]
+        mbs = [_pack(batch[rows], multiple, cp=p.cp, cp_rank=p.cp_rank, packed=self.packed)
+               for rows in _split(batch, self.config, p.cp)]
         for mb in mbs:  # the token indices meet the last stage's output on the device
-            mb.rows, mb.cols, mb.pred, mb.targets = (t.to(device) for t in (mb.rows, mb.cols, mb.pred, mb.targets))
+            mb.rows, mb.cols, mb.mine, mb.pred_row, mb.pred_pos, mb.targets = (
+                t.to(device) for t in (mb.rows, mb.cols, mb.mine, mb.pred_row, mb.pred_pos, mb.targets))
         results: list[tuple[_MicroBatch, Any]] = []
+        hidden_only = self._chunked and p.is_last_stage
+        offload = self.megatron.activation_offload and not forward_only
 
         def forward_step(data_iterator: Iterator[_MicroBatch], model: Any):
             mb = next(data_iterator)
-            output = model(mb.input_ids.to(device), mb.position_ids.to(device), None)
+            kwargs: dict[str, Any] = {}
+            if mb.cu_seqlens is not None:
+                cu = mb.cu_seqlens.to(device)
+                kwargs["packed_seq_params"] = PackedSeqParams(
+                    qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                    cu_seqlens_kv_padded=cu, max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+            if self.spec.is_moe:
+                kwargs["padding_mask"] = self._padding_mask(mb.padding).to(device)
+            # the last stage returns the final hidden states instead of logits over every position (GPTModel
+            # skips its output layer when post_process is off); _chunked_log_probs applies it where it is needed
+            if hidden_only:
+                self.inner.post_process = False
+            try:
+                with torch.autograd.graph.save_on_cpu(pin_memory=device.type != "cpu") if offload else \
+                        contextlib.nullcontext():
+                    output = model(mb.input_ids.to(device), mb.position_ids.to(device), None, **kwargs)
+            finally:
+                self.inner.post_process = p.is_last_stage
 
             def reduce(output_tensor: torch.Tensor):
                 loss, extra = on_output(output_tensor, mb)
@@ -381,9 +584,16 @@ class MegatronEngine:
 
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs),
-            seq_length=max(mb.input_ids.shape[1] for mb in mbs), micro_batch_size=max(len(mb.td) for mb in mbs),
+            seq_length=max(mb.input_ids.shape[1] for mb in mbs), micro_batch_size=max(mb.input_ids.shape[0] for mb in mbs),
             forward_only=forward_only)
         return results
+
+    def _padding_mask(self, padding: torch.Tensor) -> torch.Tensor:
+        """The MoE router's padding mask for this stage: GPTModel splits it for sequence parallelism on the first
+        stage only, so later stages take their tensor-parallel slice of the sequence themselves."""
+        if self.parallel.is_first_stage or not self.tcfg.sequence_parallel:
+            return padding
+        return padding.chunk(self.parallel.tp, dim=1)[self.parallel.tp_rank]
 
     def _from_last_stage(self, obj: Any) -> Any:
         """``obj`` as the last pipeline stage has it, on every stage (a small object: results or metrics)."""
@@ -407,7 +617,7 @@ class MegatronEngine:
         size, width = batch.batch_size[0], batch["responses"].shape[1]
         keys = ["values"] if self.model_type == "value" else ["log_probs"] + (["entropy"] if compute_entropy else [])
         result = {k: torch.zeros(size, width, dtype=torch.float32) for k in keys}
-        splits = _split(batch, self.config)
+        splits = _split(batch, self.config, self.parallel.cp)
 
         def on_output(output: torch.Tensor, mb: _MicroBatch):
             out = self._outputs(output, mb, temperature, compute_entropy)
@@ -439,7 +649,7 @@ class MegatronEngine:
                               dtype=torch.float64, device=self.device)
         dist.all_reduce(totals, group=mpu.get_data_parallel_group())
         scale = LossScale(dp_size=self.dp_size, batch_num_tokens=int(totals[0]), global_batch_size=int(totals[1]))
-        count = len(_split(batch, self.config))
+        count = len(_split(batch, self.config, self.parallel.cp))
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
@@ -455,6 +665,8 @@ class MegatronEngine:
         for m in per_mb:
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + v / max(1, len(per_mb))
+        if self.spec.is_moe:
+            metrics.update(self._router_metrics(len(per_mb)))
         found_inf = self.optimizer.prepare_grads()
         grad_norm = self.optimizer.get_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
@@ -476,6 +688,25 @@ class MegatronEngine:
         metrics[f"{prefix}/grad_norm"] = grad_norm
         metrics[f"{prefix}/lr"] = float(lr)
         return metrics
+
+    def _router_metrics(self, num_microbatches: int) -> dict[str, float]:
+        """The routers' load-balancing (and z-) losses of this step, mean over layers and micro-batches, the same
+        on every rank (megatron records them per layer as it runs; collective over the role's ranks)."""
+        from megatron.core import parallel_state as mpu
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        prefix = "critic" if self.model_type == "value" else "actor"
+        out: dict[str, float] = {}
+        tracker = get_moe_layer_wise_logging_tracker()
+        for name in sorted(tracker):
+            values = tracker[name]["values"]
+            dist.all_reduce(values, group=mpu.get_pipeline_model_parallel_group())  # layers of every stage
+            if tracker[name].get("reduce_group") is not None:  # partial sums over TP x CP
+                dist.all_reduce(values, group=tracker[name]["reduce_group"])
+            dist.all_reduce(values, group=mpu.get_data_parallel_group())
+            out[f"{prefix}/moe_{name}"] = float(values.sum()) / (self.spec.num_layers * num_microbatches * self.dp_size)
+        tracker.clear()  # megatron re-creates an entry when a router records a loss again
+        return out
 
     # ------------------------------------------------------------------ weights
     def weights_for_rollout(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:

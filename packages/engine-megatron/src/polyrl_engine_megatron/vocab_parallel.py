@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["vocab_parallel_log_probs"]
+__all__ = ["sum_over_group", "vocab_parallel_log_probs"]
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -34,6 +34,12 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
+
+
+def sum_over_group(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum of ``tensor`` over ``group``, with an identity backward: for a value every rank of the group goes on
+    to use identically (each rank's gradient then flows only into its own contribution)."""
+    return _AllReduceSum.apply(tensor, group)
 
 
 def _sum(tensor: torch.Tensor, group: Any, size: int) -> torch.Tensor:

@@ -48,9 +48,32 @@ class WeightSyncExtension:
         gate/up) and, on the CPU backend, repack linear weights; ``model.load_weights`` on the live model
         fails there because the repacked parameters no longer have checkpoint shapes.
         """
-        pairs = unpack_weights(weights)
+        pairs = list(unpack_weights(weights))
         reload = getattr(self.model_runner, "reload_weights", None)
         if reload is not None and "weights_iterator" in inspect.signature(reload).parameters:
-            self.reload_weights(weights_iterator=pairs)
+            self.reload_weights(weights_iterator=iter(pairs))
+            _prepack_cpu_experts_again(self.model_runner, {name for name, _ in pairs})
         else:  # vLLM releases whose reload_weights only rereads the checkpoint (GPU backends)
-            self.model_runner.model.load_weights(pairs)
+            self.model_runner.model.load_weights(iter(pairs))
+
+
+def _prepack_cpu_experts_again(model_runner: Any, names: set[str]) -> None:
+    """Prepack the experts of every mixture-of-experts layer an in-place reload wrote, on vLLM's CPU backend.
+
+    vLLM 0.32's CPU MoE kernel (``CPUUnquantizedExperts``) prepacks the expert weights into its own layout when the
+    model loads; ``reload_weights`` writes checkpoint-layout experts back and does not prepack them again, so the
+    experts compute from scrambled weights (a sync of unchanged weights moved a tiny Qwen3-MoE's log-probs by 0.03).
+    A layer's experts are prepacked only when the sync held one of its expert tensors (``...experts.E...``).
+    """
+    get_model = getattr(model_runner, "get_model", None)
+    model = get_model() if get_model is not None else getattr(model_runner, "model", None)
+    if model is None:
+        return
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or not type(experts).__name__.startswith("CPU") or ".experts" not in name:
+            continue
+        prefix = name[: name.rindex(".experts") + len(".experts.")]
+        if any(n.startswith(prefix) for n in names):
+            experts.process_weights_after_loading(module)

@@ -449,7 +449,7 @@ def _role_entries(prefix: str, section: str, *, ref: bool = False, critic: bool 
                _plugin(prefix, section, "fsdp", "reduce_dtype", lambda v: _dtype(v, "mixed_precision.reduce_dtype"))),
         Ignored(f"{fsdp}.mixed_precision.buffer_dtype", "buffers stay in the model's dtype"),
         Ignored(f"{prefix}.megatron.*", "megatron-core tuning polyrl's megatron engine does not expose (offloading, "
-                "dist checkpoints, expert / context parallelism, recompute, fusions); results are the same"),
+                "dist checkpoints, fusions); results are the same"),
         Ignored(f"{prefix}.megatron._target_", "verl's dataclass name"),
         Ignored(f"{prefix}.megatron.override_transformer_config.*", "megatron-core TransformerConfig tuning "
                 "(recompute, fusions, MoE dispatch); polyrl's megatron engine builds its own", open=True),
@@ -463,6 +463,17 @@ def _role_entries(prefix: str, section: str, *, ref: bool = False, critic: bool 
                _sequence_parallel(prefix, section), note="on only with tensor parallelism, as verl does"),
         Mapped(f"{prefix}.megatron.dtype", f"{section}.megatron.param_dtype",
                _plugin(prefix, section, "megatron", "param_dtype", lambda v: _dtype(v, f"{prefix}.megatron.dtype"))),
+        *[Mapped(f"{prefix}.megatron.{key}", f"{section}.megatron.{key}", _plugin(prefix, section, "megatron", key))
+          for key in ("context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size")],
+        *[Mapped(f"{prefix}.megatron.override_transformer_config.{key}", f"{section}.megatron.{key}",
+                 _plugin(prefix, section, "megatron", key))
+          for key in ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")],
+        *[Mapped(f"{prefix}.megatron.override_transformer_config.{key}", f"{section}.megatron.{key}",
+                 _plugin(prefix, section, "megatron", key),
+                 note="a megatron-core field verl users add with `+`; not in verl's default tree (polyrl only "
+                      "lists it so that it is not ignored)")
+          for key in ("moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_z_loss_coeff",
+                      "moe_token_dispatcher_type")],
     ]
     if critic:
         out += [Ignored(f"{prefix}.nccl_timeout", "polyrl's process groups use torch's default timeout"),

@@ -75,7 +75,11 @@ def build_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 512, *, model_ma
 
 
 def tiny_config(arch: str = "qwen2", *, vocab_size: int, size: str = "tiny", **overrides: Any) -> Any:
-    """An HF config for a small decoder. ``size``: ``tiny`` (~0.1M params), ``small`` (~30M)."""
+    """An HF config for a small decoder. ``size``: ``tiny`` (~0.1M params), ``small`` (~30M).
+
+    ``arch``: ``qwen2``, ``llama``, or a mixture of experts, ``qwen3_moe`` / ``mixtral`` (4 experts of half the
+    FFN size, 2 per token; Qwen3-MoE renormalises the 2 routing weights, as Qwen3-MoE checkpoints do).
+    """
     from transformers import AutoConfig
 
     dims = {
@@ -83,7 +87,7 @@ def tiny_config(arch: str = "qwen2", *, vocab_size: int, size: str = "tiny", **o
         "mini": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
         "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4),
     }[size]
-    model_type = {"qwen2": "qwen2", "llama": "llama"}[arch]
+    model_type = {"qwen2": "qwen2", "llama": "llama", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}[arch]
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         max_position_embeddings=2048,
@@ -91,6 +95,11 @@ def tiny_config(arch: str = "qwen2", *, vocab_size: int, size: str = "tiny", **o
                 rms_norm_eps=1e-6,
         **dims,
     )
+    if arch == "qwen3_moe":
+        kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=dims["intermediate_size"] // 2,
+                      norm_topk_prob=True, head_dim=dims["hidden_size"] // dims["num_attention_heads"])
+    elif arch == "mixtral":
+        kwargs.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=dims["intermediate_size"] // 2)
     kwargs.update(overrides)
     return AutoConfig.for_model(model_type, **kwargs)
 

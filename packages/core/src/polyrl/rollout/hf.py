@@ -140,19 +140,40 @@ class HFRollout:
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in; every name and shape is checked before any weight changes."""
+        """Copy HF-named tensors in; every name and shape is checked before any weight changes.
+
+        Names are the model's parameters' or its checkpoint's: a mixture of experts' per-expert tensors (what
+        checkpoints, vLLM and the megatron engine use) go into the experts transformers fuses in memory.
+        """
         staged = []
         for name, tensor in named_tensors:
-            param = self._params.get(name)
-            if param is None:
+            param, where = self._params.get(name), None
+            if param is None and self._checkpoint_names() is not None and name in self._checkpoint_names():
+                param, where = self._checkpoint_names().locate(name)
+                shape = self._checkpoint_names().shape(name)
+            elif param is not None:
+                shape = tuple(param.shape)
+            else:
                 raise KeyError(f"hf rollout: weight '{name}' matches no parameter of the model")
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"hf rollout: weight '{name}' has shape {tuple(tensor.shape)}, the model's is "
-                                 f"{tuple(param.shape)}")
-            staged.append((param, tensor))
+            if shape != tuple(tensor.shape):
+                raise ValueError(f"hf rollout: weight '{name}' has shape {tuple(tensor.shape)}, the model's is {shape}")
+            staged.append((param, where, tensor))
         with torch.no_grad():  # checked everything first: a bad bucket changes nothing
-            for param, tensor in staged:
-                param.copy_(tensor.to(param.device, param.dtype))
+            for param, where, tensor in staged:
+                if where is None:
+                    param.copy_(tensor.to(param.device, param.dtype))
+                else:
+                    param.view(-1)[where.to(param.device)] = tensor.reshape(-1).to(param.device, param.dtype)
+
+    def _checkpoint_names(self) -> Any:
+        """The model's checkpoint-name map (``polyrl.models.hf_names``), built on first use; ``None`` when its
+        checkpoint names are its parameter names."""
+        if not hasattr(self, "_ckpt_names"):
+            from polyrl.models.hf_names import CheckpointNameMap
+
+            names = CheckpointNameMap(self.model)
+            self._ckpt_names = names if any(n not in self._params for n in names) else None
+        return self._ckpt_names
 
     def sleep(self, level: int = 1) -> None:
         """No-op: the HF model has no separate KV-cache pool to release."""

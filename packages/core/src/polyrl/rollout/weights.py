@@ -29,12 +29,16 @@ def request_seed(seed: int | None, offset: int) -> int | None:
 
 @lru_cache(maxsize=8)
 def hf_param_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of the HF causal LM at ``model_path`` (built on the meta device: no memory)."""
+    """Parameter name -> shape of the HF causal LM at ``model_path`` (built on the meta device: no memory), under
+    both transformers' in-memory names and the checkpoint's (a mixture of experts' per-expert tensors, which
+    transformers fuses in memory; see :mod:`polyrl.models.hf_names`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from polyrl.models.hf_names import checkpoint_shapes
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+    return {**{n: tuple(p.shape) for n, p in model.named_parameters()}, **checkpoint_shapes(model)}
 
 
 def check_named_tensors(tensors: Sequence[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]], *,
