@@ -35,7 +35,7 @@ from tensordict import TensorDict
 from polyrl.batch import require_fields
 from polyrl.errors import CheckpointError, ConfigError
 from polyrl.lr_schedules import build_lr_scheduler
-from polyrl.protocols import LossScale
+from polyrl.protocols import ForwardProducts, LossScale
 from polyrl.trainer.checkpoint import load_tensors
 from polyrl_engine_megatron.config import MegatronConfig
 
@@ -178,6 +178,9 @@ class MegatronEngine:
     :class:`~polyrl.config.roles.EngineRoleConfig` whose ``plugin_config`` is a :class:`MegatronConfig`.
     Roles in one process share megatron's (global) parallel state, so they must use the same TP/PP layout.
     """
+
+    #: The :class:`~polyrl.protocols.ForwardProducts` this engine computes (from its vocabulary-parallel logits).
+    forward_products: frozenset[str] = frozenset({"sum_pi_squared", "top_k", "gather_ids"})
 
     @staticmethod
     def data_parallel_size(role_config: Any, world_size: int, *, role: str = "actor") -> int:
@@ -342,21 +345,38 @@ class MegatronEngine:
                 "must get the same shard (dispatch by Engine.dp_rank, keep the results where collects_output)")
 
     def _outputs(self, output: torch.Tensor, mb: _MicroBatch, temperature: float,
-                 compute_entropy: bool) -> dict[str, torch.Tensor]:
-        """``log_probs`` (and ``entropy``) or ``values``, ``[b, width]``, from the last stage's output."""
+                 compute_entropy: bool, products: ForwardProducts | None = None) -> dict[str, torch.Tensor]:
+        """``log_probs`` (and ``entropy``) or ``values``, ``[b, width]``, from the last stage's output, and the
+        forward ``products`` asked for (``[b, width]`` or ``[b, width, k]``)."""
         selected = output[mb.rows, mb.pred]
         shape = (mb.input_ids.shape[0], mb.width)
         if self.model_type == "value":
             flat = {"values": selected[..., 0].float()}
         else:
-            from polyrl_engine_megatron.vocab_parallel import vocab_parallel_log_probs
+            from polyrl_engine_megatron.vocab_parallel import vocab_parallel_log_probs, vocab_parallel_products
 
             lp, ent = vocab_parallel_log_probs(selected, mb.targets, vocab_start=self.vocab_start,
                                                group=self.tp_group, temperature=temperature,
                                                compute_entropy=compute_entropy)
             flat = {"log_probs": lp} if ent is None else {"log_probs": lp, "entropy": ent}
-        return {k: torch.zeros(shape, dtype=v.dtype, device=v.device).index_put((mb.rows, mb.cols), v)
-                for k, v in flat.items()}
+            if products:
+                gather = (mb.td[products.gather_ids][mb.rows.cpu(), mb.cols.cpu()].to(selected.device)
+                          if products.gather_ids else None)
+                flat.update(vocab_parallel_products(
+                    selected, vocab_start=self.vocab_start, group=self.tp_group, temperature=temperature,
+                    sum_pi_squared=products.sum_pi_squared, top_k=products.top_k, gather_ids=gather))
+        return {k: torch.zeros(shape + tuple(v.shape[1:]), dtype=v.dtype, device=v.device).index_put(
+            (mb.rows, mb.cols), v) for k, v in flat.items()}
+
+    def _check_products(self, products: ForwardProducts | None, batch: TensorDict) -> ForwardProducts | None:
+        """``products`` if this engine computes them all (``None`` when none is asked for); raises otherwise."""
+        if not products:
+            return None
+        if self.model_type == "value":
+            raise ValueError(f"the {self.role} engine (a value model) computes no forward products")
+        if products.gather_ids:
+            require_fields(batch, [products.gather_ids], f"{self.role} engine forward products (gather_ids)")
+        return products
 
     def _run(self, batch: TensorDict, on_output: Callable[[torch.Tensor, _MicroBatch], tuple[torch.Tensor, Any]],
              forward_only: bool) -> list[tuple[_MicroBatch, Any]]:
@@ -400,39 +420,49 @@ class MegatronEngine:
 
     @torch.no_grad()
     def infer_batch(self, batch: TensorDict, *, temperature: float = 1.0, compute_entropy: bool = False,
-                    disable_adapter: bool = False) -> TensorDict:
+                    disable_adapter: bool = False, products: ForwardProducts | None = None) -> TensorDict:
         """Log-probs (and entropy) of the response tokens, or values for a value model; ``[B, R]``, zero where
-        ``response_mask`` is 0. Every rank returns the same result (the last stage's, broadcast)."""
+        ``response_mask`` is 0, and the forward ``products`` asked for (:class:`~polyrl.protocols.ForwardProducts`,
+        ``[B, R]`` or ``[B, R, k]``). Every rank returns the same result (the last stage's, broadcast)."""
         require_fields(batch, _NEEDED, f"{self.role} engine infer_batch")
+        products = self._check_products(products, batch)
         self._check_same_shard(batch)
         self.model.eval()
         size, width = batch.batch_size[0], batch["responses"].shape[1]
         keys = ["values"] if self.model_type == "value" else ["log_probs"] + (["entropy"] if compute_entropy else [])
-        result = {k: torch.zeros(size, width, dtype=torch.float32) for k in keys}
+        keys += list(products.output_keys()) if products else []
         splits = _split(batch, self.config)
 
         def on_output(output: torch.Tensor, mb: _MicroBatch):
-            out = self._outputs(output, mb, temperature, compute_entropy)
-            return torch.zeros((), device=output.device), {k: v.float().cpu() for k, v in out.items()}
+            out = self._outputs(output, mb, temperature, compute_entropy, products)
+            return torch.zeros((), device=output.device), {
+                k: v.cpu() if k == "top_k_ids" else v.float().cpu() for k, v in out.items()}
 
         found = self._run(batch, on_output, forward_only=True)
         parts = self._from_last_stage([extra for _, extra in found] if self.parallel.is_last_stage else None)
+        result: dict[str, torch.Tensor] = {}
         for rows, part in zip(splits, parts):
             for k in keys:
+                if k not in result:
+                    result[k] = torch.zeros((size, width, *part[k].shape[2:]), dtype=part[k].dtype)
                 result[k][rows, : part[k].shape[1]] = part[k]
-        mask = batch["response_mask"].float()
-        return TensorDict({k: v * mask for k, v in result.items()}, batch_size=batch.batch_size)
+        mask = batch["response_mask"]
+        return TensorDict({k: v * mask.view(*mask.shape, *([1] * (v.dim() - 2))).to(v.dtype) for k, v in result.items()},
+                          batch_size=batch.batch_size)
 
-    def train_batch(self, batch: TensorDict, loss_fn: Any, *, temperature: float = 1.0) -> dict[str, float]:
+    def train_batch(self, batch: TensorDict, loss_fn: Any, *, temperature: float = 1.0,
+                    products: ForwardProducts | None = None) -> dict[str, float]:
         """One optimizer step on this data-parallel group's shard (see :meth:`polyrl.protocols.Engine.train_batch`).
 
         ``loss_fn`` runs on the last pipeline stage per micro-batch with global counts in :class:`LossScale`
-        (summed over the data-parallel group only: tensor/pipeline ranks hold copies of the same rows).
+        (summed over the data-parallel group only: tensor/pipeline ranks hold copies of the same rows); the
+        forward ``products`` asked for reach it in its ``model_output``.
         """
         from megatron.core import parallel_state as mpu
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         require_fields(batch, _NEEDED, f"{self.role} engine train_batch")
+        products = self._check_products(products, batch)
         if self.optimizer is None:
             raise RuntimeError(f"the {self.role} engine has no optimizer (role 'ref' only infers)")
         self._check_same_shard(batch)
@@ -446,7 +476,7 @@ class MegatronEngine:
         self.optimizer.zero_grad()
 
         def on_output(output: torch.Tensor, mb: _MicroBatch):
-            out = self._outputs(output, mb, temperature, compute_entropy=self.model_type != "value")
+            out = self._outputs(output, mb, temperature, compute_entropy=self.model_type != "value", products=products)
             loss, metrics = loss_fn(out, mb.td.to(output.device), scale)
             # megatron divides each micro-batch's loss by their count; polyrl's losses are already normalised
             return loss * count, {k: float(v) for k, v in metrics.items()}

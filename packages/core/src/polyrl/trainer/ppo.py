@@ -33,7 +33,7 @@ from polyrl.errors import ConfigError
 from polyrl.logs import progress_bar, setup_run_logging
 from polyrl.manifest import Manifest
 from polyrl.models.paths import check_model_paths
-from polyrl.protocols import SamplingParams
+from polyrl.protocols import ForwardProducts, SamplingParams
 from polyrl.trainer.checkpoint import (
     CheckpointManager,
     config_differences,
@@ -51,6 +51,10 @@ log = logging.getLogger("polyrl")
 #: Estimators that need a critic's values.
 _NEEDS_CRITIC = {"gae"}
 
+#: Batch fields an estimator may need (its registration's ``needs_fields``) that only a plugin trainer
+#: produces, and a trainer that does: field -> (trainer name, distribution), for the start-up error.
+_FIELD_PROVIDERS = {"reward_baselines": ("remax", "polyrl-recipes")}
+
 
 class PPOTrainer:
     """Runs RL post-training for ``config`` (a :class:`polyrl.config.schema.PolyrlConfig`).
@@ -64,6 +68,10 @@ class PPOTrainer:
 
     #: The worker class the role groups run (a subclass of :class:`polyrl.trainer.role_worker.Worker`).
     worker_cls: type | None = None
+    #: Batch fields this trainer adds before the advantage estimator runs (in :meth:`before_advantage`),
+    #: beyond the core's; checked against the estimator's ``needs_fields`` before any worker starts
+    #: (e.g. ``reward_baselines`` from ReMax's greedy rollouts).
+    provides_fields: frozenset[str] = frozenset()
 
     def __init__(self, config: Any, *, manifest: Manifest | None = None, plugins: Any = None) -> None:
         from polyrl.plugins import get_plugin_manager
@@ -117,14 +125,9 @@ class PPOTrainer:
         on_policy = single_update_pass(cfg.actor.ppo_epochs, cfg.actor.ppo_mini_batch_size, cfg.data.train_batch_size)
         self.skip_old_log_prob = mode == "auto" and on_policy and not cfg.algorithm.use_kl_in_reward
         estimator_inputs = inspect.signature(self.adv_fn).parameters
-        if "sum_pi_squared" in estimator_inputs:
-            # before any worker starts: the engines do not return sum_pi_squared yet, so step 1 would fail
-            raise ConfigError(
-                f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs sum_pi_squared (the sum over the "
-                "vocabulary of p^2 per token) from the actor's log-prob pass, which the engines in this release do "
-                "not compute yet; choose another estimator (e.g. grpo) or call the estimator directly "
-                "(docs/algorithms.md)")
-        if "old_log_probs" in estimator_inputs:  # estimators that read the old policy's log-probs
+        #: Forward products the actor's old-log-prob pass computes for the estimator (``sum_pi_squared``).
+        self.old_log_prob_products = self._estimator_products(entry)
+        if "old_log_probs" in estimator_inputs or self.old_log_prob_products:  # estimators that read the old policy
             self.skip_old_log_prob = False
         from polyrl.trainer.sample_sources import configure_async_mode, make_rollout_source
 
@@ -134,6 +137,50 @@ class PPOTrainer:
         self.global_step = 0
         self.groups: RoleGroups | None = None
         self.rollout_source = make_rollout_source(self)  # where each step's samples come from
+
+    def _estimator_products(self, entry: Any) -> ForwardProducts | None:
+        """What the estimator needs beyond rewards and groups (its registration's ``needs_fields``), checked before
+        any worker starts: ``sum_pi_squared`` from the actor's log-prob pass (the actor's engine must list it in
+        its ``forward_products``), and fields only a plugin trainer produces (:attr:`provides_fields`)."""
+        cfg = self.config
+        name = cfg.algorithm.adv_estimator
+        needs = set(entry.metadata.get("needs_fields") or ())
+        products = ForwardProducts(sum_pi_squared="sum_pi_squared" in needs)
+        if products:
+            self.check_forward_products(products, engine=cfg.actor.engine, key="actor",
+                                        needed_by=f"algorithm.adv_estimator={name}")
+        made_here = {"old_log_probs", "sum_pi_squared", "values"}
+        for field_name in sorted(needs - made_here - set(self.provides_fields)):
+            providers = [e.name for e in self.pm.registry("trainer").entries()
+                         if field_name in (e.metadata.get("provides_fields") or ())]
+            if providers:
+                fix = f"use trainer.name={providers[0]}, which does"
+            elif field_name in _FIELD_PROVIDERS:
+                trainer, dist = _FIELD_PROVIDERS[field_name]
+                fix = f"trainer.name={trainer} from {dist} does (pip install {dist})"
+            else:
+                fix = "no loaded trainer does"
+            raise ConfigError(
+                f"algorithm.adv_estimator={name} needs the batch field '{field_name}', which trainer.name="
+                f"{cfg.trainer.name} does not produce: {fix} (docs/recipes.md)")
+        return products or None
+
+    def check_forward_products(self, products: ForwardProducts, *, engine: str, key: str, needed_by: str) -> None:
+        """Raise :class:`ConfigError` (naming ``<key>.engine`` and ``needed_by``) unless the engine registered as
+        ``engine`` lists every product of ``products`` in its ``forward_products``. Called before workers start
+        (:class:`~polyrl.protocols.ForwardProducts`); a plugin trainer checks its own roles' needs with it
+        (``key="trainer.distill.teacher"``)."""
+        try:
+            factory = self.pm.get("engine", engine)
+        except LookupError:  # reported with the key by the command's name check
+            return
+        supported = set(getattr(factory, "forward_products", ()) or ())
+        missing = [p for p in products.requested() if p not in supported]
+        if missing:
+            raise ConfigError(
+                f"{needed_by} needs {', '.join(missing)} from the forward pass of {key}.engine={engine}, which does "
+                f"not compute it (it lists {sorted(supported) or 'no forward products'}); use an engine that does "
+                "(fsdp, megatron; docs/plugins/forward_products.md)")
 
     def _configure_rollout_correction(self) -> dict[str, Any] | None:
         """verl's ``algorithm.rollout_correction`` (and the old ``tis_imp_ratio_cap``): the settings, copied to
@@ -189,6 +236,21 @@ class PPOTrainer:
         compute_score = load_compute_score(cfg.reward)  # reward.function or verl's custom_reward_function
         manager = self.pm.get("reward_manager", cfg.reward.manager)
         return manager(tokenizer=self.tokenizer, compute_score=compute_score, config=cfg.reward)
+
+    def before_advantage(self, batch: TensorDict, metrics: dict[str, float]) -> TensorDict:
+        """Called each step after the rewards (``token_level_rewards``, KL-in-reward applied), old / reference
+        log-probs and values are in ``batch``, just before the advantage estimator runs; returns the batch the
+        estimator gets. Add fields the estimator reads (it gets every tensor field its signature names: ReMax's
+        ``reward_baselines``), change the rewards (PRIME's implicit process rewards), or train a model on the
+        batch. Record metrics in ``metrics``. The default returns ``batch`` unchanged."""
+        return batch
+
+    def after_advantage(self, batch: TensorDict, metrics: dict[str, float]) -> TensorDict:
+        """Called each step once ``advantages`` and ``returns`` are in ``batch``, before the critic and actor
+        updates; returns the batch they train on: filter or re-weight rows (PF-PPO resamples them by reward; keep
+        the row count a multiple of the data-parallel size), add fields a loss reads. The default returns
+        ``batch`` unchanged."""
+        return batch
 
     def batch_metrics(self, batch: TensorDict) -> dict[str, float]:
         """Scores, advantages, lengths and KL of a trained batch (``critic/*``, ``response_length/*``...)."""
@@ -449,8 +511,11 @@ class PPOTrainer:
             batch["old_log_probs"] = batch["rollout_log_probs"]  # bypass: the rollout's log-probs are the old ones
         if not self.skip_old_log_prob:
             with _timer(timing, "old_log_prob"):
-                old = groups.actor.dispatch("compute_log_prob", batch_ops.tensor_fields(batch))
+                products = {"products": self.old_log_prob_products} if self.old_log_prob_products else {}
+                old = groups.actor.dispatch("compute_log_prob", batch_ops.tensor_fields(batch), **products)
             batch["old_log_probs"] = old["log_probs"]
+            for key in self.old_log_prob_products.output_keys() if self.old_log_prob_products else ():
+                batch[key] = old[key]
             mask = batch["response_mask"].float()
             metrics["actor/entropy_rollout"] = float(masked_mean(old["entropy"], mask))
             if "rollout_log_probs" in batch.keys():
@@ -481,6 +546,7 @@ class PPOTrainer:
                 from polyrl.algorithms.rollout_correction import apply_rollout_correction
 
                 metrics.update(apply_rollout_correction(batch, self.rollout_corr))  # weights; RS narrows the mask
+            batch = self.before_advantage(batch, metrics)
             from polyrl.algorithms.advantages import estimator_batch_kwargs
 
             extra = {**estimator_batch_kwargs(self.adv_fn, batch, cfg.algorithm.gdpo_reward_keys),
@@ -492,6 +558,7 @@ class PPOTrainer:
                 index=np.array(batch_ops.non_tensor(batch, "uid"), dtype=object), config=cfg.algorithm, **extra,
             )
             batch["advantages"], batch["returns"] = advantages, returns
+            batch = self.after_advantage(batch, metrics)
 
         # critic update -> actor update
         tensors = batch_ops.tensor_fields(batch)
@@ -518,11 +585,16 @@ class PPOTrainer:
             self.kl_ctrl.update(metrics.get("actor/reward_kl_penalty", 0.0), n_steps=batch.batch_size[0])
         return metrics
 
-    def generate_batch(self, rows: list[dict], n: int, *, validate: bool) -> TensorDict:
-        """``n`` samples of each of ``rows`` from the rollout group (:meth:`sampling_params`), with the row fields
-        the reward manager reads (``uid``, ``data_source``, ``ground_truth``, ``extra_info``)."""
+    def generate_batch(self, rows: list[dict], n: int, *, validate: bool,
+                       sampling: SamplingParams | None = None) -> TensorDict:
+        """``n`` samples of each of ``rows`` from the rollout group (:meth:`sampling_params`, or ``sampling``), with
+        the row fields the reward manager reads (``uid``, ``data_source``, ``ground_truth``, ``extra_info``).
+
+        Called with ``sampling`` during a step it is an *extra generation request* on the current weights (ReMax's
+        greedy baselines: ``sampling=self.sampling_params().replace(temperature=0.0)``); the rollout frees its
+        memory after it, as after the step's own generation."""
         samples = [row for row in rows for _ in range(n)]
-        batch = self.groups.generate(samples, self.sampling_params(validate))
+        batch = self.groups.generate(samples, sampling if sampling is not None else self.sampling_params(validate))
         batch_ops.set_non_tensor(batch, "uid", [s["uid"] for s in samples])
         batch_ops.set_non_tensor(batch, "data_source", [s.get("data_source", "") for s in samples])
         batch_ops.set_non_tensor(batch, "ground_truth", [(s.get("reward_model") or {}).get("ground_truth") for s in samples])

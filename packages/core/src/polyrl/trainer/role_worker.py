@@ -305,10 +305,12 @@ class Worker:
             self.rollout.sleep(1)
 
     # ------------------------------------------------------------------ inference
-    def compute_log_prob(self, batch: TensorDict) -> TensorDict:
-        """Old log-probs and entropy under the current actor."""
-        out = self.actor.infer_batch(batch, temperature=self.config.rollout.temperature, compute_entropy=True)
-        return out.select("log_probs", "entropy")
+    def compute_log_prob(self, batch: TensorDict, products: Any = None) -> TensorDict:
+        """Old log-probs and entropy under the current actor, and the forward ``products`` asked for
+        (:class:`~polyrl.protocols.ForwardProducts`: ``sum_pi_squared`` for the optimal-token-baseline estimators)."""
+        kw = {"products": products} if products else {}
+        out = self.actor.infer_batch(batch, temperature=self.config.rollout.temperature, compute_entropy=True, **kw)
+        return out.select("log_probs", "entropy", *(products.output_keys() if products else ()))
 
     def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict:
         """Reference log-probs: a separate engine, or the LoRA actor with its adapter disabled."""
@@ -365,15 +367,17 @@ class Worker:
         return True
 
     def run_update_epochs(self, engine: Any, batch: TensorDict, loss_fn: Any, role_config: Any, *,
-                          shuffle: bool = False, temperature: float = 1.0) -> dict[str, float]:
+                          shuffle: bool = False, temperature: float = 1.0, products: Any = None) -> dict[str, float]:
         """``role_config.ppo_epochs`` passes over ``batch`` (this rank's shard) in mini-batches of
         :meth:`mini_batch_rows`, one ``engine.train_batch(mini_batch, loss_fn, temperature=...)`` each;
-        ``shuffle`` reorders the rows every pass (seeded by the engine's ``dp_rank`` and the epoch). Returns the
-        metrics averaged over the optimizer steps (:func:`polyrl.trainer.updates.run_update_epochs`)."""
+        ``shuffle`` reorders the rows every pass (seeded by the engine's ``dp_rank`` and the epoch); ``products``
+        (:class:`~polyrl.protocols.ForwardProducts`) reach the loss's ``model_output``. Returns the metrics
+        averaged over the optimizer steps (:func:`polyrl.trainer.updates.run_update_epochs`)."""
         from polyrl.trainer.updates import run_update_epochs
 
         return run_update_epochs(engine, batch, self.mini_batch_rows(engine, role_config), role_config.ppo_epochs,
-                                 loss_fn, shuffle=shuffle, seed=engine.dp_rank, temperature=temperature)
+                                 loss_fn, shuffle=shuffle, seed=engine.dp_rank, temperature=temperature,
+                                 products=products)
 
     def sft_step(self, batch: TensorDict) -> dict[str, float]:
         """One supervised optimizer step (``polyrl sft``)."""
