@@ -42,6 +42,7 @@ from polyrl.lr_schedules import build_lr_scheduler
 from polyrl.models.paths import check_model_path
 from polyrl.protocols import ForwardProducts, LossScale
 from polyrl.trainer.checkpoint import load_dcp, load_tensors
+from polyrl.trainer.roles import INFERENCE_ROLES
 from polyrl_engine_fsdp.config import FSDPConfig, check_choice, torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,8 @@ def _chunk_logprob(h, y, weight, bias, temperature: float, compute_entropy: bool
 
 
 class FSDPEngine:
-    """FSDP2 engine for the ``actor``, ``ref`` (no optimizer) and ``critic`` (``model_type="value"``) roles.
+    """FSDP2 engine for the ``actor``, ``ref`` (no optimizer), ``critic`` (``model_type="value"``) and
+    ``reward_model`` (a value head scored at the last token, no optimizer) roles.
 
     Subclasses change what is trained through the public methods under "extension points"
     (docs/plugins/extension_points.md); the rest (sharding, optimizer, steps, checkpoints, weights) is shared.
@@ -202,7 +204,7 @@ class FSDPEngine:
                                and not config.model.gradient_checkpointing)
         self._build_model()
         self.optimizer = self.scheduler = None
-        if role != "ref":
+        if role not in INFERENCE_ROLES:  # ref, reward_model, teacher only infer
             self._build_optimizer()
 
     # ------------------------------------------------------------------ construction

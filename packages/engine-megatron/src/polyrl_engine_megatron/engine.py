@@ -37,6 +37,7 @@ from polyrl.errors import CheckpointError, ConfigError
 from polyrl.lr_schedules import build_lr_scheduler
 from polyrl.protocols import ForwardProducts, LossScale
 from polyrl.trainer.checkpoint import load_tensors
+from polyrl.trainer.roles import INFERENCE_ROLES
 from polyrl_engine_megatron.config import MegatronConfig
 
 logger = logging.getLogger(__name__)
@@ -208,7 +209,7 @@ class MegatronEngine:
         self._build_model()
         self.optimizer = None
         self.schedulers: list[Any] = []
-        if role != "ref":
+        if role not in INFERENCE_ROLES:  # ref, reward_model, teacher only infer
             self._build_optimizer()
 
     # ------------------------------------------------------------------ layout
@@ -271,7 +272,7 @@ class MegatronEngine:
         self.tcfg = tcfg
         self.tp_group = mpu.get_tensor_model_parallel_group()
         self.vocab_start = self.parallel.tp_rank * (self.hf_config.vocab_size // tp)
-        if self.role == "ref":
+        if self.role in INFERENCE_ROLES:
             model.eval()
             for p in model.parameters():
                 p.requires_grad_(False)

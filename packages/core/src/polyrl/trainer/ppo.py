@@ -42,7 +42,8 @@ from polyrl.trainer.checkpoint import (
     truncate_metrics,
 )
 from polyrl.trainer.faults import fault_point
-from polyrl.trainer.role_groups import RoleGroups, build_role_groups
+from polyrl.trainer.role_groups import RoleGroups, build_role_groups, plan_placement
+from polyrl.trainer.roles import RoleSpec
 from polyrl.trainer.run_dir import RunDirLock, prepare_run_dir
 from polyrl.trainer.updates import single_update_pass
 
@@ -111,13 +112,17 @@ class PPOTrainer:
         self.use_critic = bool(entry.metadata.get("needs_values")) or cfg.algorithm.adv_estimator in _NEEDS_CRITIC
         if self.use_critic and cfg.critic.model.path != cfg.actor.model.path:
             check_model_paths(cfg.critic.model, "critic.model")
-        if self.use_critic:  # the critic engine's layout errors (critic.megatron...) before any worker starts
-            self.data_parallel_size("critic")
         kl_used = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         enable = str(cfg.ref.enable).lower()
         self.use_ref = enable == "true" or (enable == "auto" and kl_used)
         if kl_used and not self.use_ref:
             raise ConfigError("a KL term is configured (actor.use_kl_loss / algorithm.use_kl_in_reward) but ref.enable=false")
+        # every role's pool (trainer.placement), checked before any process starts
+        self.role_specs = list(self.extra_roles())
+        self.placement = plan_placement(cfg, use_ref=self.use_ref, use_critic=self.use_critic,
+                                        extra_roles=self.role_specs)
+        if self.use_critic:  # the critic engine's layout errors (critic.megatron...) before any worker starts
+            self.data_parallel_size("critic")
         mode = cfg.actor.recompute_old_log_prob
         if mode not in ("auto", "always"):
             raise ConfigError(f"actor.recompute_old_log_prob={mode!r}: choose 'auto' or 'always'")
@@ -237,6 +242,11 @@ class PPOTrainer:
         manager = self.pm.get("reward_manager", cfg.reward.manager)
         return manager(tokenizer=self.tokenizer, compute_score=compute_score, config=cfg.reward)
 
+    def extra_roles(self) -> list[RoleSpec]:
+        """Roles beyond actor / rollout / ref / critic that this run starts (docs/plugins/roles.md); a plugin
+        trainer adds its own (``teacher``) to what this returns."""
+        return []
+
     def before_advantage(self, batch: TensorDict, metrics: dict[str, float]) -> TensorDict:
         """Called each step after the rewards (``token_level_rewards``, KL-in-reward applied), old / reference
         log-probs and values are in ``batch``, just before the advantage estimator runs; returns the batch the
@@ -272,10 +282,13 @@ class PPOTrainer:
         }
 
     def data_parallel_size(self, section: str = "actor") -> int:
-        """The data-parallel size of a role's group: ``trainer.n_workers`` unless the role's engine factory
-        says otherwise (``data_parallel_size(role_config, world_size)``: tensor / pipeline parallel engines)."""
+        """The data-parallel size of a role's group: its pool's size (``trainer.n_workers`` for the actor)
+        unless the role's engine factory says otherwise (``data_parallel_size(role_config, world_size)``: tensor / pipeline parallel engines)."""
         cfg = self.config
         world = cfg.trainer.n_workers if cfg.trainer.executor == "ray" else 1
+        placement = getattr(self, "placement", None)
+        if placement is not None and section != "actor":  # the role's own pool (trainer.placement)
+            world = placement.size_of(section)
         role = getattr(cfg, section)
         try:
             factory = self.pm.get("engine", role.engine)
@@ -358,7 +371,8 @@ class PPOTrainer:
             resume_from = self._resume_point()
             self._write_run_files()
             self.groups = build_role_groups(cfg, manifest=self.manifest, use_ref=self.use_ref, worker_cls=self.worker_cls,
-                                            use_critic=self.use_critic, run_dir=self.run_dir)
+                                            use_critic=self.use_critic, run_dir=self.run_dir,
+                                            extra_roles=self.role_specs)
             tracker = Tracker(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
                               experiment=cfg.trainer.experiment_name, config=to_dict(cfg),
                               resume=resume_from is not None)
