@@ -192,3 +192,24 @@ def test_a_teacher_with_another_vocabulary_is_refused_at_start_up(base_overrides
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     with pytest.raises(ConfigError, match="trainer.distill.teacher.model.path is not set"):
         train(manifest, [], base_overrides + ["trainer.name=distill"])
+
+
+def test_the_teacher_in_a_pool_of_its_own_under_ray(base_overrides, manifest, teacher_dirs, tmp_path):
+    """``trainer.placement`` puts the teacher role in its own pool of Ray workers (the same start-up helper as
+    every role); a two-step run distils through it."""
+    from recipes_testkit import train_rows
+
+    from polyrl.trainer.commands import train
+
+    overrides = [o for o in base_overrides if o != "trainer.executor=local"]
+    train(manifest, [], overrides + [
+        "trainer.executor=ray", "trainer.ray_num_cpus=2", "trainer.n_workers=1",
+        "trainer.placement={actor: train, rollout: train, teacher: teach}", "trainer.pools={teach: 1}",
+        "trainer.name=distill", f"trainer.distill.teacher.model.path={teacher_dirs['permuted']}",
+        "trainer.distill.loss_mode=forward_kl_topk", "trainer.distill.topk=4"])
+    rows = train_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert math.isfinite(r["distill/teacher_log_prob"]) and r["distill/teacher_log_prob"] < 0
+        assert 0 < r["distill/teacher_mass"] <= 1.0 + 1e-6 and r["actor/grad_norm"] > 0
+    assert "placement (mapping): train (1): actor, rollout; teach (1): teacher" in (tmp_path / "run" / "train.log").read_text()

@@ -153,12 +153,13 @@ def test_the_implicit_prm_learns_outcome_labels(base_overrides):
     cross-entropy falls; its reference log-probs are the reference policy's."""
     from pathlib import Path
 
+    from polyrl_recipes.prime import PRIMETrainer
+
     from polyrl import batch as batch_ops
     from polyrl.config.loader import load_config
     from polyrl.config.schema import PolyrlConfig
     from polyrl.plugins import activate
     from polyrl.trainer.role_groups import build_role_groups
-    from polyrl_recipes.prime import PRIMETrainer
 
     pm = activate(None)
     config = load_config(PolyrlConfig, [], base_overrides + ["trainer.name=prime", "trainer.prime.prm.optim.lr=1e-3",

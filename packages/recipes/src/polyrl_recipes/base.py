@@ -77,6 +77,13 @@ class RecipeTrainer(PPOTrainer):
                 f"trainer.name={self.recipe} needs a critic (a value model), but critic.model.path is not set: set "
                 "critic.model.path, or model.path (shared by actor and critic) instead of actor.model.path")
 
+    def group(self, role: str) -> Any:
+        """The worker group serving ``role`` in this run (after ``fit()`` started the groups)."""
+        group = self.groups.group_of(role) if self.groups is not None else None
+        if group is None:
+            raise RuntimeError(f"trainer.name={self.recipe}: no worker group serves role '{role}'")
+        return group
+
     def _check_engine_name(self, section: str, engine: str) -> None:
         try:
             self.pm.entry("engine", engine)

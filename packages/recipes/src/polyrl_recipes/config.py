@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from polyrl.config.roles import EngineRoleConfig, ModelConfig, OptimConfig
 
 
-def _role(**kw: object) -> EngineRoleConfig:
+def _role(optim: OptimConfig | None = None) -> EngineRoleConfig:
     """A role block whose ``model.path`` may be left out (empty: the recipe decides; OmegaConf would refuse the
     core's ``???`` default inside a plugin's block)."""
-    return EngineRoleConfig(model=ModelConfig(path=""), **kw)  # type: ignore[arg-type]
+    return EngineRoleConfig(model=ModelConfig(path=""), optim=optim or OptimConfig())
 
 
 @dataclass

@@ -157,9 +157,10 @@ class PRIMEWorker(Worker):
     def compute_prm_ref_log_prob(self, batch: TensorDict) -> TensorDict:
         """``log pi_ref`` of the response tokens at temperature 1 (the implicit reward's reference): a separate
         reference engine, or the LoRA actor with its adapter disabled."""
-        if self.ref is not None:
-            return self.ref.infer_batch(batch, temperature=1.0).select("log_probs")
-        return self.actor.infer_batch(batch, temperature=1.0, disable_adapter=True).select("log_probs")
+        engine = self.ref if self.ref is not None else self.actor
+        if engine is None:
+            raise RuntimeError(f"{self!r} holds neither the reference nor the actor")
+        return engine.infer_batch(batch, temperature=1.0, disable_adapter=self.ref is None).select("log_probs")
 
     def _prime(self) -> Any:
         return self.config.trainer.plugin_config
@@ -262,9 +263,9 @@ class PRIMETrainer(RecipeTrainer):
         if self.config.rollout.temperature == 1.0 and "ref_log_prob" in batch.keys():
             batch["prm_ref_log_prob"] = batch["ref_log_prob"]  # the same numbers at temperature 1
         else:
-            batch["prm_ref_log_prob"] = self.groups.ref.dispatch("compute_prm_ref_log_prob",
-                                                                 batch_ops.tensor_fields(batch))["log_probs"]
-        prm = self.groups.group_of("prm")
+            batch["prm_ref_log_prob"] = self.group("ref").dispatch("compute_prm_ref_log_prob",
+                                                                   batch_ops.tensor_fields(batch))["log_probs"]
+        prm = self.group("prm")
         if o.update == "before":
             metrics.update(_mean_of(prm.dispatch("update_prm", batch_ops.tensor_fields(batch))))
         q = prm.dispatch("compute_prm_scores", batch_ops.tensor_fields(batch))["prm_q"]
