@@ -117,3 +117,15 @@ def test_the_trainer_runs_value_pretraining_as_the_critic_warm_up(base_overrides
     with pytest.raises(ConfigError, match="algorithm.adv_estimator=rloo: trainer.name=vapo runs"):
         VAPOTrainer(other, plugins=pm)
     assert np.isfinite(config.algorithm.extra["lam_critic"])
+
+
+def test_vapo_run_without_a_critic_is_refused_at_start_up(base_overrides, manifest, tmp_path):
+    """A recipe needing a critic, run without one: one line at start-up naming the key."""
+    from polyrl.trainer.commands import train
+
+    with pytest.raises(ConfigError, match="critic.enable=false: trainer.name=vapo trains a critic"):
+        train(manifest, [], base_overrides + ["trainer.name=vapo", "critic.enable=false"])
+    # and in the core: an estimator that needs values with the critic turned off
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator=gae needs a critic's values but critic.enable=false"):
+        train(manifest, [], base_overrides + ["algorithm.adv_estimator=gae", "critic.enable=false"])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -69,13 +69,11 @@ class RecipeTrainer(PPOTrainer):
         setattr(block, attr, wanted)
 
     def require_critic(self, config: Any) -> None:
-        """Raise :class:`ConfigError` when the run has no value model to train: the recipe needs one, so
-        ``critic.model.path`` (or the top-level ``model.path`` the critic shares) must name a model."""
-        path = str(config.critic.model.path)
-        if path in ("???", "", "None"):
-            raise ConfigError(
-                f"trainer.name={self.recipe} needs a critic (a value model), but critic.model.path is not set: set "
-                "critic.model.path, or model.path (shared by actor and critic) instead of actor.model.path")
+        """Raise :class:`ConfigError` when the run is told to go without a value model (``critic.enable=false``):
+        the recipe needs one."""
+        if str(config.critic.enable).lower() == "false":
+            raise ConfigError(f"critic.enable=false: trainer.name={self.recipe} trains a critic (a value model); set "
+                              "critic.enable=auto")
 
     def group(self, role: str) -> Any:
         """The worker group serving ``role`` in this run (after ``fit()`` started the groups)."""

@@ -89,6 +89,10 @@ class ActorConfig(EngineRoleConfig):
 class CriticConfig(EngineRoleConfig):
     """The value model for PPO with GAE; used only when the estimator needs values."""
 
+    #: ``auto``: a critic when the estimator needs values (``gae``, a plugin's ``needs_values``); ``true``: always
+    #: (trained even when the estimator does not read its values); ``false``: never, and an estimator (or recipe)
+    #: that needs one is refused at start-up (verl's ``critic.enable``).
+    enable: str = "auto"
     ppo_mini_batch_size: int = 8
     ppo_epochs: int = 1
     cliprange_value: float = 0.5

@@ -109,7 +109,15 @@ class PPOTrainer:
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.reward_fn = self.build_reward_fn()
         entry = self.pm.entry("advantage_estimator", cfg.algorithm.adv_estimator)
-        self.use_critic = bool(entry.metadata.get("needs_values")) or cfg.algorithm.adv_estimator in _NEEDS_CRITIC
+        needs_values = bool(entry.metadata.get("needs_values")) or cfg.algorithm.adv_estimator in _NEEDS_CRITIC
+        critic_enable = str(cfg.critic.enable).lower()
+        if critic_enable not in ("auto", "true", "false"):
+            raise ConfigError(f"critic.enable={cfg.critic.enable!r}: choose auto, true or false")
+        if needs_values and critic_enable == "false":
+            raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs a critic's values but "
+                              "critic.enable=false: set critic.enable=auto, or choose an estimator without a critic "
+                              "(grpo, rloo, ...)")
+        self.use_critic = needs_values or critic_enable == "true"
         if self.use_critic and cfg.critic.model.path != cfg.actor.model.path:
             check_model_paths(cfg.critic.model, "critic.model")
         kl_used = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
