@@ -111,6 +111,18 @@ class CUDAPlatform:
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
+    def record_memory_history(self, enabled: bool) -> None:
+        """Start (or stop) keeping the CUDA caching allocator's history (``trainer.profile.memory``)."""
+        if enabled:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        else:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def dump_memory_snapshot(self, path: str) -> bool:
+        """Write the allocator's history to ``path`` (open it at https://pytorch.org/memory_viz)."""
+        torch.cuda.memory._dump_snapshot(path)
+        return True
+
     def memory_stats(self) -> dict[str, float]:
         gib = 2**30
         return {

@@ -133,9 +133,14 @@ class RoleGroups:
         for group in self._trained_groups():
             group.call_all("load_checkpoint", path)
 
+    def distinct(self) -> list[WorkerGroup]:
+        """Each group once (roles may share a group), in role order: actor, rollout, ref, critic, then the roles
+        beyond those four."""
+        return self._distinct([self.actor, self.rollout, self.ref, self.critic, *self.roles.values()])
+
     def shutdown(self) -> None:
         """Stop every group once."""
-        for group in self._distinct([self.actor, self.rollout, self.ref, self.critic, *self.roles.values()]):
+        for group in self.distinct():
             group.shutdown()
         if self.owns_ray:
             import ray
