@@ -71,7 +71,7 @@ def test_the_loss_is_the_squared_gap_of_the_summed_log_ratio():
     for i in range(4):  # the empty row is no sequence
         ratio = sum(float(new[i, t].detach() - old[i, t]) for t in range(4) if mask[i, t])
         expected += (ratio - float(target[i])) ** 2
-    assert float(loss) == pytest.approx(expected / 4, rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(expected / 4, rel=1e-5)
     # on-policy (new == old) the gradient is -2 target / B on each of the row's tokens: a policy gradient
     on = old.clone().requires_grad_(True)
     compute_policy_loss_sppo(old, on, adv, mask)[0].backward()
