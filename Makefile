@@ -18,7 +18,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK = 1
 PACKAGES := core engine-fsdp
 CORE_PYPROJECTS := packages/core/pyproject.toml packages/engine-fsdp/pyproject.toml examples/plugins/polyrl-example/pyproject.toml \
 	packages/hw-ascend/pyproject.toml packages/hw-rocm/pyproject.toml packages/rollout-sglang/pyproject.toml \
-	packages/engine-megatron/pyproject.toml packages/diffusion/pyproject.toml
+	packages/engine-megatron/pyproject.toml packages/diffusion/pyproject.toml packages/recipes/pyproject.toml
 # Installs are constrained by checked-in locks (`make lock` regenerates them; see docs/development.md).
 LOCK := requirements/lock.txt
 LOCK_VLLM := requirements/lock-vllm.txt
@@ -29,7 +29,7 @@ VLLM_LOCK_C = $(if $(wildcard $(LOCK_VLLM)),-c $(LOCK_VLLM))
 # What .venv holds: the workspace packages (editable; the quickstart needs `plot`) and the dev tool sets.
 DEV_REQS := -e "packages/core[test,plot]" -e packages/engine-fsdp -e examples/plugins/polyrl-example \
 	-e packages/hw-ascend -e packages/hw-rocm -e packages/rollout-sglang \
-	-e packages/engine-megatron -e "packages/diffusion[ocr]" \
+	-e packages/engine-megatron -e "packages/diffusion[ocr]" -e packages/recipes \
 	--group packages/core/pyproject.toml:lint --group packages/core/pyproject.toml:typecheck \
 	--group packages/core/pyproject.toml:docs
 VLLM_REQS := -e "packages/core[test,plot]" -e packages/engine-fsdp -e "packages/rollout-vllm[cpu]" -e packages/rollout-sglang \
@@ -41,13 +41,13 @@ FREEZE = python -m pip freeze --all --exclude-editable | grep -v -E '^(polyrl|po
 	| sed -E 's/^torch==([0-9.]+)\+[a-z0-9]+$$/torch==\1/'
 
 .PHONY: help install install-vllm quickstart quickstart-vllm quickstart-agent quickstart-diffusion test test-core test-engine-fsdp \
-        test-engine-megatron test-diffusion test-example \
+        test-engine-megatron test-diffusion test-recipes test-example \
         test-hw-ascend test-hw-rocm \
         test-integration test-rollout-vllm test-vllm-integration test-rollout-sglang lint bench clean \
         lock lock-vllm test-latest test-lowest docs docs-build typecheck
 
 help:
-	@echo "make quickstart | make quickstart-diffusion | make test | make test-PACKAGE (core, engine-fsdp, engine-megatron, diffusion, rollout-vllm, rollout-sglang, example, hw-ascend, hw-rocm, integration) | make lint"
+	@echo "make quickstart | make quickstart-diffusion | make test | make test-PACKAGE (core, engine-fsdp, engine-megatron, diffusion, recipes, rollout-vllm, rollout-sglang, example, hw-ascend, hw-rocm, integration) | make lint"
 	@echo "make typecheck | make docs (serve) | make docs-build | make lock | make test-latest | make test-lowest"
 
 # torch first, pinned: an unpinned torch pulls a multi-GB CUDA build; the CPU wheel is local.
@@ -88,7 +88,7 @@ quickstart-agent: install
 quickstart-diffusion: install
 	$(BIN)/python -m polyrl_diffusion.quickstart runs/quickstart-diffusion
 
-test: test-core test-engine-fsdp test-engine-megatron test-diffusion test-example test-hw-ascend test-hw-rocm test-integration \
+test: test-core test-engine-fsdp test-engine-megatron test-diffusion test-recipes test-example test-hw-ascend test-hw-rocm test-integration \
 	test-rollout-vllm test-vllm-integration test-rollout-sglang
 
 test-core: install
@@ -102,6 +102,10 @@ test-engine-megatron: install
 
 test-diffusion: install
 	$(BIN)/pytest packages/diffusion/tests -q $(PYTEST_ARGS)
+
+# polyrl-recipes: its suite needs only polyrl, polyrl-recipes and polyrl-engine-fsdp (docs/recipes.md)
+test-recipes: install
+	$(BIN)/pytest packages/recipes/tests -q $(PYTEST_ARGS)
 
 test-example: install
 	$(BIN)/pytest examples/plugins/polyrl-example/tests -q $(PYTEST_ARGS)

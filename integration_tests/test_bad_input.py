@@ -45,12 +45,28 @@ def test_cli_unknown_key_exits_2_with_clean_message(base_overrides, manifest_fil
 
 
 @pytest.mark.parametrize("estimator", ["optimal_token_baseline", "tir_optimal_token_baseline"])
-def test_estimator_needing_sum_pi_squared_is_refused_before_workers_start(base_overrides, manifest_file, tmp_path,
-                                                                          estimator):
+def test_estimator_needing_sum_pi_squared_from_an_engine_without_it_is_refused(base_overrides, tmp_path, monkeypatch,
+                                                                              estimator):
+    """The optimal-token-baseline estimators run when the actor's engine computes ``sum_pi_squared`` (fsdp and megatron
+    do: tests/test_recipes_otb.py in polyrl-recipes); an engine that lists no forward products is refused before
+    workers start, naming ``actor.engine``."""
     from polyrl.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="sum_pi_squared"):
-        train(manifest_file, [], base_overrides + ["trainer.executor=local", f"algorithm.adv_estimator={estimator}"])
+    (tmp_path / "plain_engine.py").write_text(
+        "from polyrl import hookimpl\n"
+        "from polyrl_engine_fsdp.engine import FSDPEngine\n"
+        "class PlainEngine(FSDPEngine):\n"
+        "    forward_products = frozenset()\n"
+        "@hookimpl\n"
+        "def register_engines(register):\n"
+        "    register('plain', PlainEngine)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    manifest = tmp_path / "plain.toml"
+    manifest.write_text('[plugins]\nrequire = ["polyrl-engine-fsdp"]\nmodules = ["plain_engine"]\n')
+    with pytest.raises(ConfigError, match=rf"algorithm.adv_estimator={estimator} needs sum_pi_squared from the forward "
+                                          r"pass of actor.engine=plain"):
+        train(manifest, [], base_overrides + ["trainer.executor=local", f"algorithm.adv_estimator={estimator}",
+                                              "actor.engine=plain"])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 

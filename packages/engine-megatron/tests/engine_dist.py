@@ -285,6 +285,42 @@ def vocab_parallel(rank: int, world: int) -> dict:
     return {"log_probs": lp.detach(), "entropy": ent.detach(), "grad": local.grad, "full": full, "targets": targets}
 
 
+def vocab_products(rank: int, world: int) -> dict:
+    """The forward products (sum of p^2, top-k, gathered log-probs) over a vocabulary split in ``world`` slices,
+    with the gradients of the differentiable ones."""
+    from polyrl_engine_megatron.vocab_parallel import vocab_parallel_products
+
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(6, 10, generator=g) * 3
+    ids = torch.randint(0, 10, (6, 3), generator=g)
+    width = full.shape[1] // world
+    local = full[:, rank * width : (rank + 1) * width].clone().requires_grad_(True)
+    out = vocab_parallel_products(local, vocab_start=rank * width, group=torch.distributed.group.WORLD,
+                                  temperature=0.7, sum_pi_squared=True, top_k=4, gather_ids=ids)
+    (out["sum_pi_squared"].sum() + out["gathered_log_probs"].sum()).backward()
+    return {**{k: v.detach() for k, v in out.items()}, "grad": local.grad, "full": full, "ids": ids}
+
+
+def products_step(model_dir: str, layout: str) -> dict:
+    """``infer_batch`` with every forward product in ``layout`` (``tp1``, ``tp2``), and one ``train_batch`` whose
+    loss reads the gathered log-probs."""
+    from polyrl.protocols import ForwardProducts
+
+    engine = make_engine(model_dir, tp=2 if layout == "tp2" else 1)
+    b = batch(seed=4)
+    b["other_ids"] = torch.randint(0, 250, (b.batch_size[0], 10, 3), generator=torch.Generator().manual_seed(1))
+    products = ForwardProducts(sum_pi_squared=True, top_k=4, gather_ids="other_ids")
+    out = engine.infer_batch(b, temperature=0.7, products=products)
+
+    def gathered_loss(o, mb, scale):
+        loss = -(o["gathered_log_probs"].sum(-1) * mb["response_mask"]).sum() / scale.batch_num_tokens
+        return loss, {"loss": float(loss.detach())}
+
+    metrics = engine.train_batch(b, gathered_loss, products=ForwardProducts(gather_ids="other_ids"))
+    return {"out": out.to_dict(), "batch": b.select("input_ids", "attention_mask", "response_mask",
+                                                    "other_ids").to_dict(), "metrics": metrics}
+
+
 def main() -> None:
     rank, world, port, model_dir, out, scenarios = sys.argv[1:7]
     import warnings
@@ -320,6 +356,10 @@ def main() -> None:
             result = moe_step(out, arg, coeff=0.0)
         elif name == "export":
             result = moe_export(out, arg)
+        elif name == "vocabprod":
+            result = vocab_products(rank, world)
+        elif name == "products":
+            result = products_step(model_dir, arg)
         else:
             raise SystemExit(f"unknown scenario {scenario}")
         torch.save(result, out / f"{scenario.replace(':', '_')}_rank{rank}.pt")

@@ -80,13 +80,13 @@ def runs_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_ranks(model_dir, runs_dir):
     """Every 2-process scenario, in one group start (``save:tp2`` writes the checkpoint the loads read)."""
-    return _run_group(2, model_dir, runs_dir, ["vocab", *LAYOUTS, "critic:tp2sp", "qwen3:tp2sp", "qwen3:dp2",
-                                                  "save:tp2", "load:pp2"])
+    return _run_group(2, model_dir, runs_dir, ["vocab", "vocabprod", *LAYOUTS, "critic:tp2sp", "qwen3:tp2sp",
+                                                  "qwen3:dp2", "save:tp2", "load:pp2", "products:tp2"])
 
 
 @pytest.fixture(scope="module")
 def one_rank(model_dir, runs_dir, two_ranks):
-    return _run_group(1, model_dir, runs_dir, ["train:tp1", "critic:tp1", "load:tp1"])
+    return _run_group(1, model_dir, runs_dir, ["train:tp1", "critic:tp1", "load:tp1", "products:tp1"])
 
 
 # ---------------------------------------------------------------------------- vocabulary-parallel log-softmax
@@ -103,6 +103,51 @@ def test_vocab_parallel_log_probs_match_the_full_softmax(two_ranks):
         assert torch.allclose(result["log_probs"], lp.detach(), atol=1e-6)
         assert torch.allclose(result["entropy"], ent.detach(), atol=1e-6)
         assert torch.allclose(result["grad"], full.grad[:, rank * 5 : (rank + 1) * 5], atol=1e-6)
+
+
+def test_vocab_parallel_products_match_the_full_softmax(two_ranks):
+    """Sum of p^2, top-k and gathered log-probs from two vocabulary slices equal the full softmax's, and the
+    gradients of the first and last reach each slice as the full computation's."""
+    ranks = two_ranks["vocabprod"]
+    full, ids = ranks[0]["full"].clone().requires_grad_(True), ranks[0]["ids"]
+    logp = torch.log_softmax(full / 0.7, -1)
+    spp = logp.exp().square().sum(-1)
+    gathered = logp.gather(-1, ids)
+    (spp.sum() + gathered.sum()).backward()
+    values, top = logp.detach().topk(4, -1)
+    for rank, result in enumerate(ranks):
+        assert torch.allclose(result["sum_pi_squared"], spp.detach(), atol=1e-6)
+        assert torch.allclose(result["gathered_log_probs"], gathered.detach(), atol=1e-6)
+        assert torch.equal(result["top_k_ids"], top)
+        assert torch.allclose(result["top_k_log_probs"], values, atol=1e-6)
+        assert torch.allclose(result["grad"], full.grad[:, rank * 5 : (rank + 1) * 5], atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2"])
+def test_forward_products_equal_a_transformers_forward(two_ranks, one_rank, model_dir, layout):
+    """``infer_batch`` products (TP=1 and TP=2) against the full-vocabulary softmax of the HF model; a loss on the
+    gathered log-probs trains in both layouts and gives the same step."""
+    from transformers import AutoModelForCausalLM
+
+    result = (two_ranks if layout == "tp2" else one_rank)[f"products:{layout}"][0]
+    out, b = result["out"], result["batch"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    for row in range(b["input_ids"].shape[0]):
+        ids = b["input_ids"][row][b["attention_mask"][row].bool()][None]
+        n = int(b["attention_mask"][row][-10:].sum())
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, -n - 1 : -1].float() / 0.7, -1)
+        keep = b["response_mask"][row, :n].bool()
+        assert torch.allclose(out["sum_pi_squared"][row, :n][keep], logp.exp().square().sum(-1)[keep], atol=1e-5)
+        values, top = logp.topk(4, -1)
+        assert torch.equal(out["top_k_ids"][row, :n][keep], top[keep])
+        assert torch.allclose(out["top_k_log_probs"][row, :n][keep], values[keep], atol=1e-5)
+        gathered = logp.gather(-1, b["other_ids"][row, :n])
+        assert torch.allclose(out["gathered_log_probs"][row, :n][keep], gathered[keep], atol=1e-5)
+    assert result["metrics"]["actor/grad_norm"] > 0
+    if layout == "tp2":
+        tp1 = one_rank["products:tp1"][0]["metrics"]
+        assert result["metrics"]["actor/grad_norm"] == pytest.approx(tp1["actor/grad_norm"], rel=LOSS_RTOL)
 
 
 # ---------------------------------------------------------------------------- layouts agree

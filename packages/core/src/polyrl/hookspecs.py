@@ -90,7 +90,10 @@ def register_advantage_estimators(register: RegisterFn) -> None:
     """Register advantage estimators (kind ``advantage_estimator``), verl's signature
     ``fn(token_level_rewards, response_mask, index=None, config=None, **kw) -> (advantages, returns)``.
 
-    Metadata ``needs_values=True`` marks an estimator that needs a critic's values (like ``gae``).
+    Metadata ``needs_values=True`` marks an estimator that needs a critic's values (like ``gae``);
+    ``needs_fields=[...]`` names the batch fields it cannot run without (``sum_pi_squared``: the trainer asks
+    the actor's engine for it; ``reward_baselines``: only a trainer declaring it in ``provides_fields`` makes it),
+    checked before any worker starts.
     """
 
 
@@ -123,6 +126,9 @@ def register_config_schemas(register: RegisterFn) -> None:
 def register_trainers(register: RegisterFn) -> None:
     """Register trainers (kind ``trainer``): ``obj`` is a factory ``(config, *, manifest, plugins) -> Trainer``
     whose ``fit()`` runs the training loop; one registered as ``ppo`` replaces the built-in PPO/GRPO trainer.
+
+    Metadata ``provides_fields=[...]``: batch fields the trainer produces for estimators that need them
+    (named in the error when a run's estimator needs one its trainer does not make).
     """
 
 

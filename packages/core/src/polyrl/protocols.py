@@ -37,6 +37,7 @@ __all__ = [
     "AgentLoop",
     "AgentLoopOutput",
     "Engine",
+    "ForwardProducts",
     "GenerationClient",
     "GenerationRequest",
     "GenerationResult",
@@ -235,6 +236,46 @@ class LossScale:
     global_batch_size: int | None = None
 
 
+@dataclass(frozen=True)
+class ForwardProducts:
+    """Extra outputs of an engine's log-prob forward pass, beyond ``log_probs`` and ``entropy``.
+
+    Each is computed from the same logits (at the pass's ``temperature``) in the same chunks over the
+    vocabulary, so no ``[tokens x vocab]`` tensor is kept. Asked of ``Engine.infer_batch`` (they come back
+    as fields of its result) or ``Engine.train_batch`` (they reach the loss in ``model_output``, with
+    gradients). All are ``[B, R]`` or ``[B, R, k]`` over the response tokens, zero where
+    ``response_mask`` is 0 (see docs/plugins/forward_products.md):
+
+    - ``sum_pi_squared``: ``sum_pi_squared [B, R]``, the sum over the vocabulary of ``p_v^2`` at each token
+      (the optimal-token-baseline estimators' path-variance proxy);
+    - ``top_k`` (> 0): ``top_k_log_probs [B, R, k]`` and ``top_k_ids [B, R, k]`` (int64), the ``k`` most
+      likely tokens at each position, most likely first (a teacher's top-k for distillation);
+    - ``gather_ids``: the name of a batch field ``[B, R, k]`` of token ids; ``gathered_log_probs [B, R, k]``
+      holds their log-probs (a student's log-probs at its teacher's top-k ids).
+
+    An engine lists the products it computes in its class attribute ``forward_products`` (names of these
+    fields); the trainer checks a run's needs against it before any worker starts.
+    """
+
+    sum_pi_squared: bool = False
+    top_k: int = 0
+    gather_ids: str | None = None
+
+    def requested(self) -> tuple[str, ...]:
+        """The names of the products asked for (``sum_pi_squared``, ``top_k``, ``gather_ids``)."""
+        return tuple(name for name, on in (("sum_pi_squared", self.sum_pi_squared), ("top_k", self.top_k > 0),
+                                           ("gather_ids", bool(self.gather_ids))) if on)
+
+    def output_keys(self) -> tuple[str, ...]:
+        """The fields these products add to a forward pass's outputs."""
+        keys = {"sum_pi_squared": ("sum_pi_squared",), "top_k": ("top_k_log_probs", "top_k_ids"),
+                "gather_ids": ("gathered_log_probs",)}
+        return tuple(k for name in self.requested() for k in keys[name])
+
+    def __bool__(self) -> bool:
+        return bool(self.requested())
+
+
 class LossFn(Protocol):
     """A loss the caller hands to ``Engine.train_batch``.
 
@@ -282,6 +323,12 @@ class Engine(Protocol):
     # world_size) -> int``, the data-parallel size a group of ``world_size`` ranks will have. The trainer checks
     # batch sizes against it before any worker starts; a factory without it is pure data-parallel. A factory
     # whose method also takes ``role=`` gets the role's section name (``actor``, ``critic``, ``ref``) for its errors.
+    #
+    # Optional (read with ``getattr(engine_or_factory, "forward_products", ())``): the extra forward products
+    # (:class:`ForwardProducts` field names: ``sum_pi_squared``, ``top_k``, ``gather_ids``) the engine computes.
+    # An engine that lists any takes ``products: ForwardProducts | None = None`` as a keyword of both
+    # ``infer_batch`` and ``train_batch``; the trainer passes it only when a run asks for a product, after
+    # checking, before any worker starts, that the role's engine lists it.
 
     def train_batch(self, batch: TensorDict, loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step on this rank's shard of a mini-batch.

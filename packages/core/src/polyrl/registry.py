@@ -50,6 +50,9 @@ KNOWN_PROVIDERS: dict[tuple[str, str], str] = {
     ("platform", "npu"): "polyrl-hw-ascend",
     ("platform", "ascend"): "polyrl-hw-ascend",
     ("platform", "rocm"): "polyrl-hw-rocm",
+    **{("trainer", name): "polyrl-recipes" for name in ("remax", "vapo", "pf_ppo", "prime", "sppo", "distill")},
+    **{("advantage_estimator", name): "polyrl-recipes" for name in ("vapo", "sppo", "prime")},
+    ("policy_loss", "sppo"): "polyrl-recipes",
 }
 
 

@@ -39,7 +39,8 @@ from polyrl.distributed import ensure_process_group
 from polyrl.errors import CheckpointError, ConfigError
 from polyrl.lr_schedules import build_lr_scheduler
 from polyrl.models.paths import check_model_path
-from polyrl.protocols import LossScale
+from polyrl.protocols import ForwardProducts, LossScale
+from polyrl.trainer.roles import INFERENCE_ROLES
 from polyrl_engine_fsdp.config import FSDPConfig, check_choice, torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -73,8 +74,10 @@ class _Head(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, index, targets, temperature: float = 1.0,
                 compute_entropy: bool = False, prompt_ids=None, prompt_mask=None, prompt_positions=None,
-                prompt_of_row=None) -> dict[str, torch.Tensor]:
-        """Flat ``log_probs`` (and ``entropy``) or ``values`` of the tokens ``index`` selects.
+                prompt_of_row=None, products: ForwardProducts | None = None,
+                gather=None) -> dict[str, torch.Tensor]:
+        """Flat ``log_probs`` (and ``entropy``) or ``values`` of the tokens ``index`` selects, and the
+        :class:`~polyrl.protocols.ForwardProducts` asked for (``gather``: ``[N, k]`` ids for ``gather_ids``).
 
         With ``prompt_ids`` (the shared-prompt form), the distinct prompts ``[U, P]`` run once, their KV cache
         is copied to the rows (``prompt_of_row``, ``[B]``) and ``input_ids`` ``[B, R]`` are the responses
@@ -99,41 +102,65 @@ class _Head(nn.Module):
         h = hidden.reshape(-1, hidden.shape[-1])[index]
         if self.model_type == "value":
             return {"values": head(h).squeeze(-1).float().clone()}
-        logps, ents = [], []
+        extra = products.output_keys() if products else ()
+        top_k = products.top_k if products else 0
+        if top_k > head.weight.shape[0]:
+            raise ValueError(f"forward products: top_k={top_k} is larger than the vocabulary ({head.weight.shape[0]})")
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("log_probs", "entropy", *extra)}
         for start in range(0, h.shape[0], self.chunk):
             hs, ys = h[start : start + self.chunk], targets[start : start + self.chunk]
+            gs = gather[start : start + self.chunk] if gather is not None else None
+            args = (hs, ys, head.weight, head.bias, temperature, compute_entropy, products, gs)
             if torch.is_grad_enabled():
-                lp, ent = torch.utils.checkpoint.checkpoint(
-                    _chunk_logprob, hs, ys, head.weight, head.bias, temperature, compute_entropy, use_reentrant=False)
+                chunk = torch.utils.checkpoint.checkpoint(_chunk_logprob, *args, use_reentrant=False)
             else:
-                lp, ent = _chunk_logprob(hs, ys, head.weight, head.bias, temperature, compute_entropy)
-            logps.append(lp)
-            ents.append(ent)
-        if not logps:  # no response token in this micro-batch (a rank-padding one): keep the graph connected
+                chunk = _chunk_logprob(*args)
+            for key, value in chunk.items():
+                parts[key].append(value)
+        if not parts["log_probs"]:  # no response token in this micro-batch (a rank-padding one): keep the graph connected
             zero = h.sum(-1) * 0.0 + head.weight.sum() * 0.0  # lm_head gets a zero gradient, as on other ranks
-            logps, ents = [zero.float()], [zero.float()]
+            parts["log_probs"], parts["entropy"] = [zero.float()], [zero.float()]
+            k = top_k or (gather.shape[-1] if gather is not None else 0)
+            for key in extra:  # empty outputs of the right trailing shape
+                trailing = (k,) if key in ("top_k_log_probs", "top_k_ids", "gathered_log_probs") else ()
+                dtype = torch.long if key == "top_k_ids" else torch.float32
+                parts[key] = [torch.zeros((0, *trailing), dtype=dtype, device=h.device)]
         # clone: FSDP2 must not hand out views of its output (an in-place op would skip its backward hook)
-        out = {"log_probs": torch.cat(logps).clone()}
+        out = {"log_probs": torch.cat(parts["log_probs"]).clone()}
         if compute_entropy:
-            out["entropy"] = torch.cat(ents).clone()
+            out["entropy"] = torch.cat(parts["entropy"]).clone()
+        for key in extra:
+            out[key] = torch.cat(parts[key]).clone()
         return out
 
 
-def _chunk_logprob(h, y, weight, bias, temperature: float, compute_entropy: bool):
+def _chunk_logprob(h, y, weight, bias, temperature: float, compute_entropy: bool,
+                   products: ForwardProducts | None = None, gather=None) -> dict[str, torch.Tensor]:
+    """One chunk of positions: the target tokens' log-probs, the entropy, and the forward products asked for."""
     logits = F.linear(h, weight, bias).float()
     if temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
     token_logp = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1) if compute_entropy else torch.zeros_like(token_logp)
-    return token_logp, entropy
+    out = {"log_probs": token_logp,
+           "entropy": -(logp.exp() * logp).sum(-1) if compute_entropy else torch.zeros_like(token_logp)}
+    if products:
+        if products.sum_pi_squared:  # exp(logsumexp(2 log p)): sum_v p_v^2 without a second softmax
+            out["sum_pi_squared"] = torch.logsumexp(2.0 * logp, dim=-1).exp()
+        if products.top_k > 0:
+            values, ids = torch.topk(logp, products.top_k, dim=-1)
+            out["top_k_log_probs"], out["top_k_ids"] = values, ids
+        if gather is not None:
+            out["gathered_log_probs"] = logp.gather(-1, gather.long())
+    return out
 
 
 # ---------------------------------------------------------------------------- the engine
 
 
 class FSDPEngine:
-    """FSDP2 engine for the ``actor``, ``ref`` (no optimizer) and ``critic`` (``model_type="value"``) roles.
+    """FSDP2 engine for the ``actor``, ``ref`` (no optimizer), ``critic`` (``model_type="value"``) and
+    ``reward_model`` (a value head scored at the last token, no optimizer) roles.
 
     Subclasses change what is trained through the public methods under "extension points"
     (docs/plugins/extension_points.md); the rest (sharding, optimizer, steps, checkpoints, weights) is shared.
@@ -141,9 +168,21 @@ class FSDPEngine:
 
     #: Batch fields ``train_batch`` needs (a subclass with another forward pass names its own).
     required_fields: tuple[str, ...] = _NEEDED
+    #: The :class:`~polyrl.protocols.ForwardProducts` this engine computes (``infer_batch`` and ``train_batch``
+    #: take ``products=``); a subclass whose forward pass computes none sets ``frozenset()``.
+    forward_products: frozenset[str] = frozenset({"sum_pi_squared", "top_k", "gather_ids"})
     #: The section of the role config holding this engine's :class:`FSDPConfig`, as error messages name it
     #: (``actor.fsdp.param_dtype``); a subclass registered under another name names its own.
     config_section: str = "fsdp"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # a subclass whose own forward pass takes no ``products`` computes none, unless it says otherwise
+        if "forward_products" not in cls.__dict__ and "forward_micro_batch" in cls.__dict__:
+            import inspect
+
+            if "products" not in inspect.signature(cls.forward_micro_batch).parameters:
+                cls.forward_products = frozenset()
 
     def __init__(self, config: Any, *, role: str, model_type: str = "causal_lm", platform: Any = None) -> None:
         from polyrl.platforms import detect_platform
@@ -163,7 +202,7 @@ class FSDPEngine:
                                and not config.model.gradient_checkpointing)
         self._build_model()
         self.optimizer = self.scheduler = None
-        if role != "ref":
+        if role not in INFERENCE_ROLES:  # ref, reward_model, teacher only infer
             self._build_optimizer()
 
     # ------------------------------------------------------------------ construction
@@ -376,24 +415,30 @@ class FSDPEngine:
         self.scheduler = build_lr_scheduler(self.optimizer, o, f"{self.role}.optim")
 
     # ------------------------------------------------------------------ extension points (forward passes)
-    def forward_micro_batch(self, mb: TensorDict, temperature: float, compute_entropy: bool
-                            ) -> tuple[dict[str, torch.Tensor], TensorDict]:
+    def forward_micro_batch(self, mb: TensorDict, temperature: float, compute_entropy: bool,
+                            products: ForwardProducts | None = None) -> tuple[dict[str, torch.Tensor], TensorDict]:
         """Run the root module on micro-batch ``mb``: ``(outputs, micro-batch as the loss sees it)``. The outputs
         are the ``model_output`` a loss gets in :meth:`train_batch` (and :meth:`infer_batch` collects).
 
         This engine: ``mb`` trimmed of all-padding columns; ``log_probs``/``entropy`` (or ``values``)
-        ``[b, R']`` on the device, ``R'`` the trimmed response width.
+        ``[b, R']`` on the device, ``R'`` the trimmed response width, and the ``products`` asked for
+        (``[b, R']`` or ``[b, R', k]``; :class:`~polyrl.protocols.ForwardProducts`).
         """
         mb = _trim(mb)
         inputs = _model_inputs(mb, packed=self.config.use_remove_padding, shared_prompt=self._shared_prompt,
                                uniform=not self.replicated)
+        if products and products.gather_ids:
+            require_fields(mb, [products.gather_ids], f"{self.role} engine forward products (gather_ids)")
+            inputs["gather"] = mb[products.gather_ids][inputs["rows"], inputs["cols"]]
         dev = {k: v.to(self.device) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
         shared = {k: dev[k] for k in ("prompt_ids", "prompt_mask", "prompt_positions", "prompt_of_row") if k in dev}
+        if products:
+            shared.update(products=products, gather=dev.get("gather"))
         flat = self.module(dev["input_ids"], dev.get("attention_mask"), dev["position_ids"], dev["index"],
                            dev["targets"], temperature=temperature, compute_entropy=compute_entropy, **shared)
-        shape = mb["responses"].shape
+        shape = tuple(mb["responses"].shape)
         rows, cols = dev["rows"], dev["cols"]
-        out = {k: torch.zeros(shape, dtype=v.dtype, device=v.device).index_put((rows, cols), v)
+        out = {k: torch.zeros(shape + tuple(v.shape[1:]), dtype=v.dtype, device=v.device).index_put((rows, cols), v)
                for k, v in flat.items()}
         return out, mb
 
@@ -446,31 +491,53 @@ class FSDPEngine:
 
     @torch.no_grad()
     def infer_batch(self, batch: TensorDict, *, temperature: float = 1.0, compute_entropy: bool = False,
-                    disable_adapter: bool = False) -> TensorDict:
+                    disable_adapter: bool = False, products: ForwardProducts | None = None) -> TensorDict:
         """Log-probs (and entropy) of the response tokens, or values for a value model; ``[B, R]``, zero where
-        ``response_mask`` is 0. Micro-batched like ``train_batch``."""
+        ``response_mask`` is 0. Micro-batched like ``train_batch``. ``products``: the extra outputs
+        (:class:`~polyrl.protocols.ForwardProducts`) to add, ``[B, R]`` or ``[B, R, k]``."""
         require_fields(batch, _NEEDED, f"{self.role} engine infer_batch")
+        products = self._check_products(products)
         self.module.eval()
         size, width = batch.batch_size[0], batch["responses"].shape[1]
         keys = ["values"] if self.model_type == "value" else ["log_probs"] + (["entropy"] if compute_entropy else [])
-        result = {k: torch.zeros(size, width, dtype=torch.float32) for k in keys}
+        keys += list(products.output_keys()) if products else []
+        result: dict[str, torch.Tensor] = {}
+        kw = {"products": products} if products else {}
         ctx = self.module.model.disable_adapter() if disable_adapter and self.lora else contextlib.nullcontext()
         with ctx:
             for rows in self.split_micro_batches(batch, self.config.use_dynamic_bsz):
                 if rows is None:
-                    self.forward_micro_batch(self.padding_micro_batch(batch), temperature, False)
+                    self.forward_micro_batch(self.padding_micro_batch(batch), temperature, False, **kw)
                     continue
-                out, trimmed = self.forward_micro_batch(batch[rows], temperature, compute_entropy)
+                out, trimmed = self.forward_micro_batch(batch[rows], temperature, compute_entropy, **kw)
                 for k in keys:
-                    value = out[k].float().cpu()
+                    value = out[k].cpu() if k == "top_k_ids" else out[k].float().cpu()
+                    if k not in result:
+                        result[k] = torch.zeros((size, width, *value.shape[2:]), dtype=value.dtype)
                     result[k][rows, : value.shape[1]] = value
-        mask = batch["response_mask"].float()
-        return TensorDict({k: v * mask for k, v in result.items()}, batch_size=batch.batch_size)
+        for k in keys:  # a batch whose every micro-batch was rank padding
+            result.setdefault(k, torch.zeros(size, width, dtype=torch.float32))
+        mask = batch["response_mask"]
+        return TensorDict({k: v * mask.view(*mask.shape, *([1] * (v.dim() - 2))).to(v.dtype) for k, v in result.items()},
+                          batch_size=batch.batch_size)
 
-    def train_batch(self, batch: TensorDict, loss_fn: Any, *, temperature: float = 1.0) -> dict[str, float]:
+    def _check_products(self, products: ForwardProducts | None) -> ForwardProducts | None:
+        """``products`` if this engine computes them all (``None`` when none is asked for); raises otherwise."""
+        if not products:
+            return None
+        missing = [p for p in products.requested() if p not in self.forward_products]
+        if missing or self.model_type == "value":
+            raise ValueError(f"the {self.role} engine ({type(self).__name__}, model type {self.model_type}) does not "
+                             f"compute the forward products {missing or list(products.requested())}")
+        return products
+
+    def train_batch(self, batch: TensorDict, loss_fn: Any, *, temperature: float = 1.0,
+                    products: ForwardProducts | None = None) -> dict[str, float]:
         """One optimizer step on this rank's shard at ``temperature`` (see
-        :meth:`polyrl.protocols.Engine.train_batch`)."""
+        :meth:`polyrl.protocols.Engine.train_batch`); ``products`` reach ``loss_fn`` in its ``model_output``."""
         require_fields(batch, self.required_fields, f"{self.role} engine train_batch")
+        products = self._check_products(products)
+        kw = {"products": products} if products else {}
         if self.optimizer is None:
             raise RuntimeError(f"the {self.role} engine has no optimizer (role 'ref' only infers)")
         self.module.train()
@@ -482,7 +549,7 @@ class FSDPEngine:
         real = max(1, sum(rows is not None for rows in splits))
         for rows in splits:
             mb = self.padding_micro_batch(batch) if rows is None else batch[rows]
-            out, trimmed = self.forward_micro_batch(mb, temperature, compute_entropy=self.model_type != "value")
+            out, trimmed = self.forward_micro_batch(mb, temperature, compute_entropy=self.model_type != "value", **kw)
             loss, m = loss_fn(out, trimmed.to(self.device), scale)
             loss.backward()
             if rows is not None:  # a padding micro-batch's metrics would dilute the mean
@@ -798,8 +865,9 @@ def _trim(mb: TensorDict) -> TensorDict:
         out[key] = mb[key][:, cols]
     for key in mb.keys():
         value = mb.get(key)
-        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == r and key not in (
-                "input_ids", "attention_mask", "position_ids"):
+        # per-response-token fields: [b, R] and [b, R, k] (a teacher's top-k); prompts are [b, P] whatever P is
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == r and key not in (
+                "input_ids", "attention_mask", "position_ids", "prompts"):
             out[key] = value[:, :keep_r]
     return out
 

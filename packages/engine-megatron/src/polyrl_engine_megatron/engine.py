@@ -35,7 +35,8 @@ from polyrl.checkpoint_io import atomic_checkpoint_dir, load_json, load_tensors
 from polyrl.distributed import ensure_process_group
 from polyrl.errors import CheckpointError, ConfigError
 from polyrl.lr_schedules import build_lr_scheduler
-from polyrl.protocols import LossScale
+from polyrl.protocols import ForwardProducts, LossScale
+from polyrl.trainer.roles import INFERENCE_ROLES
 from polyrl_engine_megatron.config import MegatronConfig
 
 logger = logging.getLogger(__name__)
@@ -286,6 +287,9 @@ class MegatronEngine:
     Roles in one process share megatron's (global) parallel state, so they must use the same TP/PP layout.
     """
 
+    #: The :class:`~polyrl.protocols.ForwardProducts` this engine computes (from its vocabulary-parallel logits).
+    forward_products: frozenset[str] = frozenset({"sum_pi_squared", "top_k", "gather_ids"})
+
     @staticmethod
     def data_parallel_size(role_config: Any, world_size: int, *, role: str = "actor") -> int:
         """The data-parallel size of a role on ``world_size`` ranks, or a :class:`ConfigError` naming the key.
@@ -312,7 +316,7 @@ class MegatronEngine:
         self._build_model()
         self.optimizer = None
         self.schedulers: list[Any] = []
-        if role != "ref":
+        if role not in INFERENCE_ROLES:  # ref, reward_model, teacher only infer
             self._build_optimizer()
 
     # ------------------------------------------------------------------ layout
@@ -374,7 +378,7 @@ class MegatronEngine:
         self.tp_group = mpu.get_tensor_model_parallel_group()
         self.cp_group = mpu.get_context_parallel_group()
         self.vocab_start = self.parallel.tp_rank * (self.hf_config.vocab_size // tp)
-        if self.role == "ref":
+        if self.role in INFERENCE_ROLES:
             model.eval()
             for p in model.parameters():
                 p.requires_grad_(False)
@@ -456,12 +460,15 @@ class MegatronEngine:
 
     @property
     def _chunked(self) -> bool:
-        """The causal LM computes log-probs from the final hidden states in chunks (``logits_chunk_size`` > 0)."""
-        return self.model_type != "value" and int(self.config.logits_chunk_size) > 0
+        """The causal LM computes log-probs from the final hidden states in chunks (``logits_chunk_size`` > 0),
+        except in a pass that asks for forward products: those read the full logits."""
+        return (self.model_type != "value" and int(self.config.logits_chunk_size) > 0
+                and not getattr(self, "_full_logits", False))
 
     def _outputs(self, output: torch.Tensor, mb: _MicroBatch, temperature: float,
-                 compute_entropy: bool) -> dict[str, torch.Tensor]:
-        """``log_probs`` (and ``entropy``) or ``values``, ``[b, width]``, from the last stage's output.
+                 compute_entropy: bool, products: ForwardProducts | None = None) -> dict[str, torch.Tensor]:
+        """``log_probs`` (and ``entropy``) or ``values``, ``[b, width]``, from the last stage's output, and the
+        forward ``products`` asked for (``[b, width]`` or ``[b, width, k]``).
 
         ``output``: the final hidden states ``[s, b, h]`` (chunked log-probs), logits ``[b, s, V / tp]``, or values
         ``[b, s, 1]``, for this rank's part of the sequence. With context parallelism each rank computes the tokens
@@ -474,22 +481,44 @@ class MegatronEngine:
         elif self._chunked:
             flat = self._chunked_log_probs(output, mb, temperature, compute_entropy)
         else:
-            from polyrl_engine_megatron.vocab_parallel import vocab_parallel_log_probs
+            from polyrl_engine_megatron.vocab_parallel import vocab_parallel_log_probs, vocab_parallel_products
 
             lp, ent = vocab_parallel_log_probs(output[mb.pred_row, mb.pred_pos], mb.targets,
                                                vocab_start=self.vocab_start, group=self.tp_group,
                                                temperature=temperature, compute_entropy=compute_entropy)
             flat = {"log_probs": lp} if ent is None else {"log_probs": lp, "entropy": ent}
+        if products:  # a pass with products is never chunked (see _chunked)
+            from polyrl_engine_megatron.vocab_parallel import vocab_parallel_products
+
+            selected = output[mb.pred_row, mb.pred_pos]
+            mine_rows, mine_cols = mb.rows[mb.mine].cpu(), mb.cols[mb.mine].cpu()
+            gather = (mb.td[products.gather_ids][mine_rows, mine_cols].to(selected.device)
+                      if products.gather_ids else None)
+            flat.update(vocab_parallel_products(
+                selected, vocab_start=self.vocab_start, group=self.tp_group, temperature=temperature,
+                sum_pi_squared=products.sum_pi_squared, top_k=products.top_k, gather_ids=gather))
         if self.parallel.cp > 1:
             from polyrl_engine_megatron.vocab_parallel import sum_over_group
 
             # a rank may predict no token of a micro-batch: the anchor keeps its graph (and the backward) connected
             anchor = output.sum() * 0.0 if torch.is_grad_enabled() else 0.0
-            flat = {k: sum_over_group(torch.zeros(len(mb.rows), dtype=v.dtype, device=v.device).index_put(
-                (mb.mine,), v) + anchor, self.cp_group) for k, v in flat.items()}
+            flat = {k: sum_over_group(torch.zeros((len(mb.rows),) + tuple(v.shape[1:]), dtype=v.dtype,
+                                                  device=v.device).index_put((mb.mine,), v)
+                                      + (anchor if v.is_floating_point() else 0), self.cp_group)
+                    for k, v in flat.items()}
         shape = (len(mb.td), mb.width)
-        return {k: torch.zeros(shape, dtype=v.dtype, device=v.device).index_put((mb.rows, mb.cols), v)
-                for k, v in flat.items()}
+        return {k: torch.zeros(shape + tuple(v.shape[1:]), dtype=v.dtype, device=v.device).index_put(
+            (mb.rows, mb.cols), v) for k, v in flat.items()}
+
+    def _check_products(self, products: ForwardProducts | None, batch: TensorDict) -> ForwardProducts | None:
+        """``products`` if this engine computes them all (``None`` when none is asked for); raises otherwise."""
+        if not products:
+            return None
+        if self.model_type == "value":
+            raise ValueError(f"the {self.role} engine (a value model) computes no forward products")
+        if products.gather_ids:
+            require_fields(batch, [products.gather_ids], f"{self.role} engine forward products (gather_ids)")
+        return products
 
     def _chunked_log_probs(self, hidden: torch.Tensor, mb: _MicroBatch, temperature: float,
                            compute_entropy: bool) -> dict[str, torch.Tensor]:
@@ -608,39 +637,51 @@ class MegatronEngine:
 
     @torch.no_grad()
     def infer_batch(self, batch: TensorDict, *, temperature: float = 1.0, compute_entropy: bool = False,
-                    disable_adapter: bool = False) -> TensorDict:
+                    disable_adapter: bool = False, products: ForwardProducts | None = None) -> TensorDict:
         """Log-probs (and entropy) of the response tokens, or values for a value model; ``[B, R]``, zero where
-        ``response_mask`` is 0. Every rank returns the same result (the last stage's, broadcast)."""
+        ``response_mask`` is 0, and the forward ``products`` asked for (:class:`~polyrl.protocols.ForwardProducts`,
+        ``[B, R]`` or ``[B, R, k]``). Every rank returns the same result (the last stage's, broadcast)."""
         require_fields(batch, _NEEDED, f"{self.role} engine infer_batch")
+        products = self._check_products(products, batch)
+        self._full_logits = products is not None
         self._check_same_shard(batch)
         self.model.eval()
         size, width = batch.batch_size[0], batch["responses"].shape[1]
         keys = ["values"] if self.model_type == "value" else ["log_probs"] + (["entropy"] if compute_entropy else [])
-        result = {k: torch.zeros(size, width, dtype=torch.float32) for k in keys}
+        keys += list(products.output_keys()) if products else []
         splits = _split(batch, self.config, self.parallel.cp)
 
         def on_output(output: torch.Tensor, mb: _MicroBatch):
-            out = self._outputs(output, mb, temperature, compute_entropy)
-            return torch.zeros((), device=output.device), {k: v.float().cpu() for k, v in out.items()}
+            out = self._outputs(output, mb, temperature, compute_entropy, products)
+            return torch.zeros((), device=output.device), {
+                k: v.cpu() if k == "top_k_ids" else v.float().cpu() for k, v in out.items()}
 
         found = self._run(batch, on_output, forward_only=True)
         parts = self._from_last_stage([extra for _, extra in found] if self.parallel.is_last_stage else None)
+        result: dict[str, torch.Tensor] = {}
         for rows, part in zip(splits, parts):
             for k in keys:
+                if k not in result:
+                    result[k] = torch.zeros((size, width, *part[k].shape[2:]), dtype=part[k].dtype)
                 result[k][rows, : part[k].shape[1]] = part[k]
-        mask = batch["response_mask"].float()
-        return TensorDict({k: v * mask for k, v in result.items()}, batch_size=batch.batch_size)
+        mask = batch["response_mask"]
+        return TensorDict({k: v * mask.view(*mask.shape, *([1] * (v.dim() - 2))).to(v.dtype) for k, v in result.items()},
+                          batch_size=batch.batch_size)
 
-    def train_batch(self, batch: TensorDict, loss_fn: Any, *, temperature: float = 1.0) -> dict[str, float]:
+    def train_batch(self, batch: TensorDict, loss_fn: Any, *, temperature: float = 1.0,
+                    products: ForwardProducts | None = None) -> dict[str, float]:
         """One optimizer step on this data-parallel group's shard (see :meth:`polyrl.protocols.Engine.train_batch`).
 
         ``loss_fn`` runs on the last pipeline stage per micro-batch with global counts in :class:`LossScale`
-        (summed over the data-parallel group only: tensor/pipeline ranks hold copies of the same rows).
+        (summed over the data-parallel group only: tensor/pipeline ranks hold copies of the same rows); the
+        forward ``products`` asked for reach it in its ``model_output``.
         """
         from megatron.core import parallel_state as mpu
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         require_fields(batch, _NEEDED, f"{self.role} engine train_batch")
+        products = self._check_products(products, batch)
+        self._full_logits = products is not None
         if self.optimizer is None:
             raise RuntimeError(f"the {self.role} engine has no optimizer (role 'ref' only infers)")
         self._check_same_shard(batch)
@@ -654,7 +695,7 @@ class MegatronEngine:
         self.optimizer.zero_grad()
 
         def on_output(output: torch.Tensor, mb: _MicroBatch):
-            out = self._outputs(output, mb, temperature, compute_entropy=self.model_type != "value")
+            out = self._outputs(output, mb, temperature, compute_entropy=self.model_type != "value", products=products)
             loss, metrics = loss_fn(out, mb.td.to(output.device), scale)
             # megatron divides each micro-batch's loss by their count; polyrl's losses are already normalised
             return loss * count, {k: float(v) for k, v in metrics.items()}

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["sum_over_group", "vocab_parallel_log_probs"]
+__all__ = ["sum_over_group", "vocab_parallel_log_probs", "vocab_parallel_products"]
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -90,3 +90,74 @@ def vocab_parallel_log_probs(
     # H = log Z - E_p[z], with p = exp(z) / Z
     expected = _sum((exp * z).sum(dim=-1), group, size) / log_norm.exp()
     return log_probs, log_norm - expected
+
+
+def vocab_parallel_products(
+    logits: torch.Tensor,
+    *,
+    vocab_start: int,
+    group: Any = None,
+    temperature: float = 1.0,
+    sum_pi_squared: bool = False,
+    top_k: int = 0,
+    gather_ids: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The forward products (:class:`polyrl.protocols.ForwardProducts`) from this rank's vocabulary slice.
+
+    Args:
+        logits: ``[N, V_local]`` logits of this rank's slice.
+        vocab_start: the first vocabulary id of this rank's slice.
+        group: the tensor-parallel process group (``None`` or size 1: no communication).
+        temperature: logits are divided by it first.
+        sum_pi_squared: return ``sum_pi_squared [N]``: ``sum_v p_v^2 = sum_v exp(2 z_v) / (sum_v exp(z_v))^2``
+            with two all-reduced sums (differentiable, like :func:`vocab_parallel_log_probs`).
+        top_k: return ``top_k_log_probs [N, k]`` and ``top_k_ids [N, k]`` over the whole vocabulary: each rank's
+            own top ``k`` are gathered over the group and the best ``k`` of those kept. With more than one
+            tensor-parallel rank the values carry no gradient (an all-gather; a teacher's top-k needs none).
+        gather_ids: ``[N, k]`` token ids in the full vocabulary: return their log-probs ``gathered_log_probs``
+            (each id's logit from the rank that owns it, summed over the group; differentiable).
+
+    Returns:
+        The asked-for tensors by name, identical on every rank of ``group``.
+    """
+    size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    shift = z.detach().max(dim=-1).values
+    if size > 1:
+        dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
+    z = z - shift.unsqueeze(-1)
+    norm = _sum(z.exp().sum(dim=-1), group, size)
+    log_norm = norm.log()
+    out: dict[str, torch.Tensor] = {}
+    if sum_pi_squared:
+        out["sum_pi_squared"] = _sum((2.0 * z).exp().sum(dim=-1), group, size) / norm.pow(2)
+    if top_k > 0:
+        local_k = min(top_k, z.shape[-1])
+        values, ids = torch.topk(z, local_k, dim=-1)
+        ids = ids + vocab_start
+        if size > 1:
+            gathered_v = [torch.empty_like(values) for _ in range(size)]
+            gathered_i = [torch.empty_like(ids) for _ in range(size)]
+            dist.all_gather(gathered_v, values.detach().contiguous(), group=group)
+            dist.all_gather(gathered_i, ids.contiguous(), group=group)
+            values, ids = torch.cat(gathered_v, dim=-1), torch.cat(gathered_i, dim=-1)
+            if values.shape[-1] < top_k:
+                raise ValueError(f"forward products: top_k={top_k} is larger than the vocabulary ({values.shape[-1]})")
+            values, pick = torch.topk(values, top_k, dim=-1)
+            ids = ids.gather(-1, pick)
+            log_norm_k = log_norm.detach()
+        else:
+            if local_k < top_k:
+                raise ValueError(f"forward products: top_k={top_k} is larger than the vocabulary ({z.shape[-1]})")
+            log_norm_k = log_norm
+        out["top_k_log_probs"] = values - log_norm_k.unsqueeze(-1)
+        out["top_k_ids"] = ids
+    if gather_ids is not None:
+        local = gather_ids.long() - vocab_start
+        owned = (local >= 0) & (local < z.shape[-1])
+        picked = z.gather(-1, local.clamp(0, z.shape[-1] - 1))
+        logit = _sum(torch.where(owned, picked, torch.zeros_like(picked)), group, size)
+        out["gathered_log_probs"] = logit - log_norm.unsqueeze(-1)
+    return out

@@ -516,25 +516,32 @@ BUILTIN_ESTIMATORS = {
 }
 
 
-#: batch fields the trainer hands an estimator whose signature names them (verl's keyword names)
+#: batch fields the trainer hands an estimator whose signature names them (verl's keyword names); any other
+#: tensor field a signature names is passed the same way (a plugin's ``prm_scores``)
 BATCH_INPUTS = ("old_log_probs", "sum_pi_squared", "rollout_is_weights", "reward_baselines")
+
+#: arguments the trainer passes itself, never taken from the batch
+_TRAINER_ARGUMENTS = frozenset({"token_level_rewards", "response_mask", "index", "config", "values"})
 
 
 def estimator_batch_kwargs(estimator: Any, batch: Any, reward_component_keys: Any = ()) -> dict[str, Any]:
     """The keyword arguments the trainer adds for ``estimator`` from ``batch`` (a TensorDict or mapping).
 
-    Each of :data:`BATCH_INPUTS` the estimator's signature names and the batch holds, and
-    ``reward_components`` (GDPO) from the batch fields ``_<key>`` of ``reward_component_keys``.
-    An estimator taking ``**kwargs`` gets only the fields it names explicitly.
+    Every tensor field of the batch the estimator's signature names as a parameter (:data:`BATCH_INPUTS` and
+    any other, e.g. a field a trainer's ``before_advantage`` added), and ``reward_components`` (GDPO) from the
+    batch fields ``_<key>`` of ``reward_component_keys``. An estimator taking ``**kwargs`` gets only the fields
+    it names explicitly.
     """
     import inspect
 
     try:
-        names = set(inspect.signature(estimator).parameters)
+        params = inspect.signature(estimator).parameters
     except (TypeError, ValueError):
         return {}
+    names = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
     keys = set(batch.keys())
-    out: dict[str, Any] = {name: batch[name] for name in BATCH_INPUTS if name in names and name in keys}
+    out: dict[str, Any] = {name: batch[name] for name in sorted(names - _TRAINER_ARGUMENTS)
+                           if name in keys and isinstance(batch[name], torch.Tensor)}
     components = list(reward_component_keys or ())
     if "reward_components" in names and components:
         missing = [k for k in components if f"_{k}" not in keys]

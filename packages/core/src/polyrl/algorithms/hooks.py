@@ -33,11 +33,21 @@ _LOSSES = ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "cispo", "sapo", "geo
            "bypass_mode")
 
 
+#: Batch fields an estimator cannot run without (metadata ``needs_fields``; the trainer checks them at start-up)
+_NEEDS_FIELDS = {
+    "remax": ["reward_baselines"],  # the greedy rollouts' rewards: trainer.name=remax (polyrl-recipes)
+    "optimal_token_baseline": ["old_log_probs", "sum_pi_squared"],
+    "tir_optimal_token_baseline": ["old_log_probs", "sum_pi_squared"],
+}
+
+
 @hookimpl
 def register_advantage_estimators(register: Callable[..., Any]) -> None:
-    """Register verl's estimators; ``gae`` is marked ``needs_values`` (the trainer builds a critic for it)."""
+    """Register verl's estimators; ``gae`` is marked ``needs_values`` (the trainer builds a critic for it), and
+    those that read more than rewards and groups name those batch fields in ``needs_fields``."""
     for name, attr in _ESTIMATORS.items():
-        register(name, f"polyrl.algorithms.advantages:{attr}", needs_values=name == "gae")
+        register(name, f"polyrl.algorithms.advantages:{attr}", needs_values=name == "gae",
+                 needs_fields=_NEEDS_FIELDS.get(name, []))
 
 
 @hookimpl

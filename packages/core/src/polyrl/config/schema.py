@@ -99,6 +99,10 @@ class ActorConfig(EngineRoleConfig):
 class CriticConfig(EngineRoleConfig):
     """The value model for PPO with GAE; used only when the estimator needs values."""
 
+    #: ``auto``: a critic when the estimator needs values (``gae``, a plugin's ``needs_values``); ``true``: always
+    #: (trained even when the estimator does not read its values); ``false``: never, and an estimator (or recipe)
+    #: that needs one is refused at start-up (verl's ``critic.enable``).
+    enable: str = "auto"
     ppo_mini_batch_size: int = 8
     ppo_epochs: int = 1
     cliprange_value: float = 0.5
@@ -243,9 +247,15 @@ class TrainerSection:
     executor: str = "ray"
     #: Worker processes per role group (data-parallel size).
     n_workers: int = 1
-    #: ``colocated`` (actor, rollout, reference and critic share each worker) or ``split``
-    #: (rollout in its own pool of ``rollout_workers`` processes).
-    placement: str = "colocated"
+    #: Which pool of worker processes holds each role: ``colocated`` (every role shares each worker), ``split``
+    #: (the rollout in its own pool of ``rollout_workers`` processes), or a mapping of roles to pool names
+    #: (``{actor: a, rollout: b, critic: c, reward_model: c}``; roles left out go to the actor's pool) with
+    #: the pools' sizes in ``pools``. See docs/placement.md.
+    placement: Any = "colocated"
+    #: Workers per named pool of a ``placement`` mapping (``{a: 2, b: 1, c: 1}``); the actor's pool defaults to
+    #: ``n_workers``, the rollout's to ``rollout_workers``.
+    pools: dict[str, int] = field(default_factory=dict)
+    #: Workers of the rollout's pool with ``placement: split`` (and the default size of its pool in a mapping).
     rollout_workers: int = 1
     #: Platform name (``cpu``, ``cuda``, a plugin's ``npu``) or ``auto``.
     device: str = "auto"

@@ -63,7 +63,8 @@ def train(manifest: str | Path | Manifest | None = None, configs: Sequence[str |
         estimator = pm.entry("advantage_estimator", config.algorithm.adv_estimator)
     except LookupError as exc:
         raise ConfigError(f"config key 'algorithm.adv_estimator': {exc}") from None
-    needs_critic = config.algorithm.adv_estimator == "gae" or estimator.metadata.get("needs_values")
+    needs_critic = (config.algorithm.adv_estimator == "gae" or estimator.metadata.get("needs_values")
+                    or str(config.critic.enable).lower() == "true")
     sections = ["actor", "rollout"] + (["critic"] if needs_critic else [])
     _check_names(config, pm, sections)
     trainer = _trainer_factory(config, pm)(config, manifest=manifest, plugins=pm)

@@ -33,7 +33,7 @@ from polyrl.errors import ConfigError
 from polyrl.logs import progress_bar, setup_run_logging
 from polyrl.manifest import Manifest
 from polyrl.models.paths import check_model_paths
-from polyrl.protocols import SamplingParams
+from polyrl.protocols import ForwardProducts, SamplingParams
 from polyrl.trainer.checkpoint import (
     CheckpointManager,
     config_differences,
@@ -43,7 +43,8 @@ from polyrl.trainer.checkpoint import (
 )
 from polyrl.trainer.faults import fault_point
 from polyrl.trainer.generations import reward_extras, sample_ids, write_jsonl
-from polyrl.trainer.role_groups import RoleGroups, build_role_groups
+from polyrl.trainer.role_groups import RoleGroups, build_role_groups, plan_placement
+from polyrl.trainer.roles import RoleSpec
 from polyrl.trainer.run_dir import RunDirLock, prepare_run_dir
 from polyrl.trainer.updates import single_update_pass
 
@@ -51,6 +52,10 @@ log = logging.getLogger("polyrl")
 
 #: Estimators that need a critic's values.
 _NEEDS_CRITIC = {"gae"}
+
+#: Batch fields an estimator may need (its registration's ``needs_fields``) that only a plugin trainer
+#: produces, and a trainer that does: field -> (trainer name, distribution), for the start-up error.
+_FIELD_PROVIDERS = {"reward_baselines": ("remax", "polyrl-recipes")}
 
 
 class PPOTrainer:
@@ -65,6 +70,10 @@ class PPOTrainer:
 
     #: The worker class the role groups run (a subclass of :class:`polyrl.trainer.role_worker.Worker`).
     worker_cls: type | None = None
+    #: Batch fields this trainer adds before the advantage estimator runs (in :meth:`before_advantage`),
+    #: beyond the core's; checked against the estimator's ``needs_fields`` before any worker starts
+    #: (e.g. ``reward_baselines`` from ReMax's greedy rollouts).
+    provides_fields: frozenset[str] = frozenset()
 
     def __init__(self, config: Any, *, manifest: Manifest | None = None, plugins: Any = None) -> None:
         from polyrl.plugins import get_plugin_manager
@@ -106,16 +115,28 @@ class PPOTrainer:
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.reward_fn = self.build_reward_fn()
         entry = self.pm.entry("advantage_estimator", cfg.algorithm.adv_estimator)
-        self.use_critic = bool(entry.metadata.get("needs_values")) or cfg.algorithm.adv_estimator in _NEEDS_CRITIC
+        needs_values = bool(entry.metadata.get("needs_values")) or cfg.algorithm.adv_estimator in _NEEDS_CRITIC
+        critic_enable = str(cfg.critic.enable).lower()
+        if critic_enable not in ("auto", "true", "false"):
+            raise ConfigError(f"critic.enable={cfg.critic.enable!r}: choose auto, true or false")
+        if needs_values and critic_enable == "false":
+            raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs a critic's values but "
+                              "critic.enable=false: set critic.enable=auto, or choose an estimator without a critic "
+                              "(grpo, rloo, ...)")
+        self.use_critic = needs_values or critic_enable == "true"
         if self.use_critic and cfg.critic.model.path != cfg.actor.model.path:
             check_model_paths(cfg.critic.model, "critic.model")
-        if self.use_critic:  # the critic engine's layout errors (critic.megatron...) before any worker starts
-            self.data_parallel_size("critic")
         kl_used = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         enable = str(cfg.ref.enable).lower()
         self.use_ref = enable == "true" or (enable == "auto" and kl_used)
         if kl_used and not self.use_ref:
             raise ConfigError("a KL term is configured (actor.use_kl_loss / algorithm.use_kl_in_reward) but ref.enable=false")
+        # every role's pool (trainer.placement), checked before any process starts
+        self.role_specs = list(self.extra_roles())
+        self.placement = plan_placement(cfg, use_ref=self.use_ref, use_critic=self.use_critic,
+                                        extra_roles=self.role_specs)
+        if self.use_critic:  # the critic engine's layout errors (critic.megatron...) before any worker starts
+            self.data_parallel_size("critic")
         mode = cfg.actor.recompute_old_log_prob
         if mode not in ("auto", "always"):
             raise ConfigError(f"actor.recompute_old_log_prob={mode!r}: choose 'auto' or 'always'")
@@ -123,14 +144,9 @@ class PPOTrainer:
         on_policy = single_update_pass(cfg.actor.ppo_epochs, cfg.actor.ppo_mini_batch_size, cfg.data.train_batch_size)
         self.skip_old_log_prob = mode == "auto" and on_policy and not cfg.algorithm.use_kl_in_reward
         estimator_inputs = inspect.signature(self.adv_fn).parameters
-        if "sum_pi_squared" in estimator_inputs:
-            # before any worker starts: the engines do not return sum_pi_squared yet, so step 1 would fail
-            raise ConfigError(
-                f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs sum_pi_squared (the sum over the "
-                "vocabulary of p^2 per token) from the actor's log-prob pass, which the engines in this release do "
-                "not compute yet; choose another estimator (e.g. grpo) or call the estimator directly "
-                "(docs/algorithms.md)")
-        if "old_log_probs" in estimator_inputs:  # estimators that read the old policy's log-probs
+        #: Forward products the actor's old-log-prob pass computes for the estimator (``sum_pi_squared``).
+        self.old_log_prob_products = self._estimator_products(entry)
+        if "old_log_probs" in estimator_inputs or self.old_log_prob_products:  # estimators that read the old policy
             self.skip_old_log_prob = False
         from polyrl.trainer.sample_sources import configure_async_mode, make_rollout_source
 
@@ -140,6 +156,50 @@ class PPOTrainer:
         self.global_step = 0
         self.groups: RoleGroups | None = None
         self.rollout_source = make_rollout_source(self)  # where each step's samples come from
+
+    def _estimator_products(self, entry: Any) -> ForwardProducts | None:
+        """What the estimator needs beyond rewards and groups (its registration's ``needs_fields``), checked before
+        any worker starts: ``sum_pi_squared`` from the actor's log-prob pass (the actor's engine must list it in
+        its ``forward_products``), and fields only a plugin trainer produces (:attr:`provides_fields`)."""
+        cfg = self.config
+        name = cfg.algorithm.adv_estimator
+        needs = set(entry.metadata.get("needs_fields") or ())
+        products = ForwardProducts(sum_pi_squared="sum_pi_squared" in needs)
+        if products:
+            self.check_forward_products(products, engine=cfg.actor.engine, key="actor",
+                                        needed_by=f"algorithm.adv_estimator={name}")
+        made_here = {"old_log_probs", "sum_pi_squared", "values"}
+        for field_name in sorted(needs - made_here - set(self.provides_fields)):
+            providers = [e.name for e in self.pm.registry("trainer").entries()
+                         if field_name in (e.metadata.get("provides_fields") or ())]
+            if providers:
+                fix = f"use trainer.name={providers[0]}, which does"
+            elif field_name in _FIELD_PROVIDERS:
+                trainer, dist = _FIELD_PROVIDERS[field_name]
+                fix = f"trainer.name={trainer} from {dist} does (pip install {dist})"
+            else:
+                fix = "no loaded trainer does"
+            raise ConfigError(
+                f"algorithm.adv_estimator={name} needs the batch field '{field_name}', which trainer.name="
+                f"{cfg.trainer.name} does not produce: {fix} (docs/recipes.md)")
+        return products or None
+
+    def check_forward_products(self, products: ForwardProducts, *, engine: str, key: str, needed_by: str) -> None:
+        """Raise :class:`ConfigError` (naming ``<key>.engine`` and ``needed_by``) unless the engine registered as
+        ``engine`` lists every product of ``products`` in its ``forward_products``. Called before workers start
+        (:class:`~polyrl.protocols.ForwardProducts`); a plugin trainer checks its own roles' needs with it
+        (``key="trainer.distill.teacher"``)."""
+        try:
+            factory = self.pm.get("engine", engine)
+        except LookupError:  # reported with the key by the command's name check
+            return
+        supported = set(getattr(factory, "forward_products", ()) or ())
+        missing = [p for p in products.requested() if p not in supported]
+        if missing:
+            raise ConfigError(
+                f"{needed_by} needs {', '.join(missing)} from the forward pass of {key}.engine={engine}, which does "
+                f"not compute it (it lists {sorted(supported) or 'no forward products'}); use an engine that does "
+                "(fsdp, megatron; docs/plugins/forward_products.md)")
 
     def _configure_rollout_correction(self) -> dict[str, Any] | None:
         """verl's ``algorithm.rollout_correction`` (and the old ``tis_imp_ratio_cap``): the settings, copied to
@@ -200,6 +260,26 @@ class PPOTrainer:
         manager = self.pm.get("reward_manager", cfg.reward.manager)
         return manager(tokenizer=self.tokenizer, compute_score=compute_score, config=cfg.reward)
 
+    def extra_roles(self) -> list[RoleSpec]:
+        """Roles beyond actor / rollout / ref / critic that this run starts (docs/plugins/roles.md); a plugin
+        trainer adds its own (``teacher``) to what this returns."""
+        return []
+
+    def before_advantage(self, batch: TensorDict, metrics: dict[str, float]) -> TensorDict:
+        """Called each step after the rewards (``token_level_rewards``, KL-in-reward applied), old / reference
+        log-probs and values are in ``batch``, just before the advantage estimator runs; returns the batch the
+        estimator gets. Add fields the estimator reads (it gets every tensor field its signature names: ReMax's
+        ``reward_baselines``), change the rewards (PRIME's implicit process rewards), or train a model on the
+        batch. Record metrics in ``metrics``. The default returns ``batch`` unchanged."""
+        return batch
+
+    def after_advantage(self, batch: TensorDict, metrics: dict[str, float]) -> TensorDict:
+        """Called each step once ``advantages`` and ``returns`` are in ``batch``, before the critic and actor
+        updates; returns the batch they train on: filter or re-weight rows (PF-PPO resamples them by reward; keep
+        the row count a multiple of the data-parallel size), add fields a loss reads. The default returns
+        ``batch`` unchanged."""
+        return batch
+
     def check_rewards(self) -> None:
         """Refuse (one ConfigError) a data file none of whose first rows can reach a reward function: no function
         for its data source, or no ground truth where the function reads one (:mod:`polyrl.rewards.reachability`).
@@ -221,31 +301,27 @@ class PPOTrainer:
         workers, and a local run's accelerators suffice for the workers."""
         from polyrl.controller.cluster import cluster_address
         from polyrl.platforms import select_platform
-        from polyrl.rollout.replicas import plan_replicas
 
         cfg = self.config
         trainer = cfg.trainer
-        if trainer.placement not in ("colocated", "split"):
-            raise ConfigError(f"trainer.placement={trainer.placement!r}: choose 'colocated' or 'split'")
+        # the pools and the rollout's replicas were resolved and checked in __init__ (plan_placement)
+        placement = self.placement
         local = trainer.executor == "local"
-        rollout_devices = 1 if local else (trainer.n_workers if trainer.placement == "colocated"
-                                           else trainer.rollout_workers)
-        plan_replicas(rollout_devices, cfg.rollout.tensor_parallel_size)
         choice = select_platform(trainer.device, self.pm)  # logs the choice: after the checks that cannot log
-        if trainer.placement == "split" and not local:
+        if not local and not placement.shares("actor", "rollout"):
             from polyrl.trainer.weight_sync import resolve_weight_transfer
 
             resolve_weight_transfer(cfg, choice.platform)
         platform = choice.platform
         if local or cluster_address(cfg) or not platform.ray_resource:
             return
-        needed = trainer.n_workers + (trainer.rollout_workers if trainer.placement == "split" else 0)
+        needed = placement.total_workers
         have = int(platform.device_count())
         if needed > have:
-            raise ConfigError(f"trainer.n_workers={trainer.n_workers}"
-                              f"{f' + trainer.rollout_workers={trainer.rollout_workers}' if trainer.placement == 'split' else ''}"
-                              f" workers need {needed} {choice.name} devices; this machine has {have}. Lower the worker "
-                              "counts (verl: trainer.n_gpus_per_node), or join a cluster (trainer.ray_address)")
+            raise ConfigError(f"trainer.placement ({placement.describe()}): {needed} workers need {needed} "
+                              f"{choice.name} devices; this machine has {have}. Lower the worker counts "
+                              "(trainer.n_workers, trainer.rollout_workers, trainer.pools; verl: trainer.n_gpus_per_node), "
+                              "or join a cluster (trainer.ray_address)")
 
     def batch_metrics(self, batch: TensorDict) -> dict[str, float]:
         """Scores, advantages, lengths and KL of a trained batch (``critic/*``, ``response_length/*``...)."""
@@ -267,10 +343,13 @@ class PPOTrainer:
         }
 
     def data_parallel_size(self, section: str = "actor") -> int:
-        """The data-parallel size of a role's group: ``trainer.n_workers`` unless the role's engine factory
-        says otherwise (``data_parallel_size(role_config, world_size)``: tensor / pipeline parallel engines)."""
+        """The data-parallel size of a role's group: its pool's size (``trainer.n_workers`` for the actor)
+        unless the role's engine factory says otherwise (``data_parallel_size(role_config, world_size)``: tensor / pipeline parallel engines)."""
         cfg = self.config
         world = cfg.trainer.n_workers if cfg.trainer.executor == "ray" else 1
+        placement = getattr(self, "placement", None)
+        if placement is not None and section != "actor":  # the role's own pool (trainer.placement)
+            world = placement.size_of(section)
         role = getattr(cfg, section)
         try:
             factory = self.pm.get("engine", role.engine)
@@ -359,7 +438,8 @@ class PPOTrainer:
             resume_from = self._resume_point()
             platform_choice = self._select_platform()
             self.groups = build_role_groups(cfg, manifest=self.manifest, use_ref=self.use_ref, worker_cls=self.worker_cls,
-                                            use_critic=self.use_critic, run_dir=self.run_dir)
+                                            use_critic=self.use_critic, run_dir=self.run_dir,
+                                            extra_roles=self.role_specs)
             if resume_from is not None:
                 # the engines check the checkpoint (engine, model, world size) before any run file changes
                 self._load(resume_from)
@@ -637,8 +717,11 @@ class PPOTrainer:
             batch["old_log_probs"] = batch["rollout_log_probs"]  # bypass: the rollout's log-probs are the old ones
         if not self.skip_old_log_prob:
             with _timer(timing, "old_log_prob"):
-                old = groups.actor.dispatch("compute_log_prob", batch_ops.tensor_fields(batch))
+                products = {"products": self.old_log_prob_products} if self.old_log_prob_products else {}
+                old = groups.actor.dispatch("compute_log_prob", batch_ops.tensor_fields(batch), **products)
             batch["old_log_probs"] = old["log_probs"]
+            for key in self.old_log_prob_products.output_keys() if self.old_log_prob_products else ():
+                batch[key] = old[key]
             mask = batch["response_mask"].float()
             metrics["actor/entropy_rollout"] = float(masked_mean(old["entropy"], mask))
             if "rollout_log_probs" in batch.keys():
@@ -669,6 +752,7 @@ class PPOTrainer:
                 from polyrl.algorithms.rollout_correction import apply_rollout_correction
 
                 metrics.update(apply_rollout_correction(batch, self.rollout_corr))  # weights; RS narrows the mask
+            batch = self.before_advantage(batch, metrics)
             from polyrl.algorithms.advantages import estimator_batch_kwargs
 
             extra = {**estimator_batch_kwargs(self.adv_fn, batch, cfg.algorithm.gdpo_reward_keys),
@@ -680,6 +764,7 @@ class PPOTrainer:
                 index=np.array(batch_ops.non_tensor(batch, "uid"), dtype=object), config=cfg.algorithm, **extra,
             )
             batch["advantages"], batch["returns"] = advantages, returns
+            batch = self.after_advantage(batch, metrics)
 
         # critic update -> actor update
         tensors = batch_ops.tensor_fields(batch)
@@ -710,11 +795,16 @@ class PPOTrainer:
             self.kl_ctrl.update(metrics.get("actor/reward_kl_penalty", 0.0), n_steps=batch.batch_size[0])
         return metrics
 
-    def generate_batch(self, rows: list[dict], n: int, *, validate: bool) -> TensorDict:
-        """``n`` samples of each of ``rows`` from the rollout group (:meth:`sampling_params`), with the row fields
-        the reward manager reads (``uid``, ``data_source``, ``ground_truth``, ``extra_info``)."""
+    def generate_batch(self, rows: list[dict], n: int, *, validate: bool,
+                       sampling: SamplingParams | None = None) -> TensorDict:
+        """``n`` samples of each of ``rows`` from the rollout group (:meth:`sampling_params`, or ``sampling``), with
+        the row fields the reward manager reads (``uid``, ``data_source``, ``ground_truth``, ``extra_info``).
+
+        Called with ``sampling`` during a step it is an *extra generation request* on the current weights (ReMax's
+        greedy baselines: ``sampling=self.sampling_params().replace(temperature=0.0)``); the rollout frees its
+        memory after it, as after the step's own generation."""
         samples = [row for row in rows for _ in range(n)]
-        batch = self.groups.generate(samples, self.sampling_params(validate))
+        batch = self.groups.generate(samples, sampling if sampling is not None else self.sampling_params(validate))
         batch_ops.set_non_tensor(batch, "uid", [s["uid"] for s in samples])
         batch_ops.set_non_tensor(batch, "data_source", [s.get("data_source", "") for s in samples])
         batch_ops.set_non_tensor(batch, "ground_truth", [(s.get("reward_model") or {}).get("ground_truth") for s in samples])

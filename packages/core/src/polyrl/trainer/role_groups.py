@@ -1,18 +1,22 @@
-"""Placement: which worker groups hold which roles, and the calls that span groups.
+"""Role groups: the worker group serving each role, started from the run's placement, and the calls that
+span groups.
 
-``colocated`` (default): one group whose every rank holds the actor, the rollout
-and, when used, the reference and the critic (the hybrid engine; weights move
-in-process). ``split``: the rollout gets its own pool of
-``trainer.rollout_workers`` processes and weights travel from actor rank 0
-through a process group or Ray's object store (``trainer.weight_transfer``).
-:mod:`polyrl.trainer.weight_sync` holds every weight path. The ``local`` executor
-puts one rank of everything in the driver process.
+``trainer.placement`` (:mod:`polyrl.trainer.placement`) puts each role in a pool; each pool becomes one worker
+group whose every rank holds the pool's roles. ``colocated`` (default): one group holding actor, rollout and,
+when used, reference, critic and reward model (the hybrid engine; weights move in-process). ``split``: the
+rollout in its own pool of ``trainer.rollout_workers`` processes. A mapping places any role in any named pool.
+Weights travel from actor rank 0 to a rollout in another pool through a process group or Ray's object store
+(``trainer.weight_transfer``; :mod:`polyrl.trainer.weight_sync` holds every weight path), and a frozen role
+that shares its pool frees its device memory between calls (its :class:`~polyrl.trainer.roles.RoleSpec`).
+The ``local`` executor puts one rank of everything in the driver process.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +28,16 @@ from polyrl.distributed import free_port
 from polyrl.manifest import Manifest
 from polyrl.protocols import SamplingParams
 from polyrl.rollout.replicas import Replica, plan_replicas, replica_call_args, replica_of
+from polyrl.trainer.placement import Placement, check_pools_fit, resolve_placement
 from polyrl.trainer.role_worker import Worker
+from polyrl.trainer.roles import RoleSpec, role_specs_by_name
 from polyrl.trainer.weight_sync import WeightSync, make_weight_sync
 
 #: ``Platform.memory_stats`` keys (GiB) -> the metric names the trainer logs them under (verl's ``perf/*_gb``).
 MEMORY_METRICS = {"max_allocated_gib": "max_memory_allocated_gb", "reserved_gib": "memory_reserved_gb",
                   "allocated_gib": "memory_allocated_gb", "max_rss_gib": "max_rss_gb"}
+
+log = logging.getLogger("polyrl")
 
 
 @dataclass
@@ -47,10 +55,36 @@ class RoleGroups:
     #: How actor weights reach the rollout (:mod:`polyrl.trainer.weight_sync`); ``None``: in-process when
     #: colocated, through the object store when split.
     weight_sync: WeightSync | None = None
+    #: The group of every role the run uses, roles beyond the built-in four included (``reward_model``...).
+    roles: dict[str, WorkerGroup] = field(default_factory=dict)
+    #: The roles that train (their groups save and load checkpoints).
+    trained_roles: tuple[str, ...] = ("actor", "critic")
+    #: The resolved placement (``None`` when the groups were put together by hand).
+    placement: Placement | None = None
 
     def __post_init__(self) -> None:
+        for name, group in (("actor", self.actor), ("rollout", self.rollout), ("ref", self.ref),
+                            ("critic", self.critic)):
+            if group is not None:
+                self.roles.setdefault(name, group)
         if self.weight_sync is None:
             self.weight_sync = make_weight_sync(self.actor, self.rollout, colocated=self.colocated)
+
+    def group_of(self, role: str) -> WorkerGroup | None:
+        """The group serving ``role`` (``None`` when the run does not use it)."""
+        return self.roles.get(role)
+
+    @property
+    def reward_model(self) -> WorkerGroup | None:
+        """The group serving the ``reward_model`` role, if the run has one."""
+        return self.roles.get("reward_model")
+
+    def _distinct(self, groups: Sequence[WorkerGroup | None]) -> list[WorkerGroup]:
+        seen: dict[int, WorkerGroup] = {}
+        for group in groups:
+            if group is not None:
+                seen.setdefault(id(group), group)
+        return list(seen.values())
 
     def generate(self, samples: list[dict], sampling: SamplingParams) -> TensorDict:
         """Generate for ``samples`` split over the rollout ranks (over the replicas' leaders when the
@@ -86,27 +120,23 @@ class RoleGroups:
                     out[name] = max(out.get(name, float("-inf")), float(value))
         return out
 
+    def _trained_groups(self) -> list[WorkerGroup]:
+        return self._distinct([self.roles.get(r) for r in self.trained_roles])
+
     def save_checkpoint(self, path: str) -> None:
-        """Every group that trains something saves into ``path``."""
-        self.actor.call_all("save_checkpoint", path)
-        if self.critic is not None and self.critic is not self.actor:
-            self.critic.call_all("save_checkpoint", path)
+        """Every group that trains something saves into ``path`` (each rank its trained engines)."""
+        for group in self._trained_groups():
+            group.call_all("save_checkpoint", path)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore every training group from ``path``."""
-        self.actor.call_all("load_checkpoint", path)
-        if self.critic is not None and self.critic is not self.actor:
-            self.critic.call_all("load_checkpoint", path)
+        for group in self._trained_groups():
+            group.call_all("load_checkpoint", path)
 
     def distinct(self) -> list[WorkerGroup]:
-        """Each group once (roles may share a group), in role order: actor, rollout, ref, critic."""
-        seen: set[int] = set()
-        out = []
-        for group in (self.actor, self.rollout, self.ref, self.critic):
-            if group is not None and id(group) not in seen:
-                seen.add(id(group))
-                out.append(group)
-        return out
+        """Each group once (roles may share a group), in role order: actor, rollout, ref, critic, then the roles
+        beyond those four."""
+        return self._distinct([self.actor, self.rollout, self.ref, self.critic, *self.roles.values()])
 
     def shutdown(self) -> None:
         """Stop every group once."""
@@ -135,16 +165,21 @@ class StartedGroup:
 
 def start_role_group(config: Any, *, roles: list[str], manifest: Manifest | None, name: str, run_dir: Path,
                      role_kind: str = "rl", world_size: int | None = None,
-                     worker_cls: type | None = None) -> WorkerGroup:
+                     worker_cls: type | None = None, role_specs: Sequence[RoleSpec] = ()) -> WorkerGroup:
     """Start the worker group of ``roles`` (``polyrl train``, ``sft`` and ``export`` all come here).
 
     ``trainer.executor=local`` runs one rank in this process; ``ray`` starts ``world_size`` (default
     ``trainer.n_workers``) actors, each with one CPU and one of the platform's accelerators
     (``trainer.device``), in a placement group named ``polyrl-<name>``. With the ``ray`` executor Ray must
     already run in this process (:func:`start_ray`, or :func:`open_role_group` which starts it).
+    ``role_specs`` describe the roles beyond actor / rollout / ref / critic among ``roles``.
     """
     cls = worker_cls or Worker
-    kwargs = dict(config=config, roles=roles, manifest=manifest, master_port=free_port(), role_kind=role_kind)
+    kwargs: dict[str, Any] = dict(config=config, roles=roles, manifest=manifest, master_port=free_port(),
+                                  role_kind=role_kind)
+    specs = [s for s in role_specs if s.name in roles]
+    if specs:  # only then: a worker class written before roles were declarable still starts
+        kwargs["role_specs"] = specs
     if config.trainer.executor == "local":
         return LocalWorkerGroup(cls, **kwargs)
     size = world_size if world_size is not None else config.trainer.n_workers
@@ -171,46 +206,83 @@ def open_role_group(config: Any, *, roles: list[str], manifest: Manifest | None,
     return StartedGroup(group, owns_ray)
 
 
-def build_role_groups(config: Any, *, manifest: Manifest | None, use_ref: bool, use_critic: bool,
-                      run_dir: Path, worker_cls: type | None = None) -> RoleGroups:
-    """Start the worker groups the run's placement asks for (``worker_cls``: the trainer's worker class)."""
-    trainer = config.trainer
+def run_roles(config: Any, *, use_ref: bool, use_critic: bool, extra_roles: Sequence[RoleSpec] = ()) -> list[str]:
+    """The roles a run starts: actor and rollout, the reference (a separate engine unless the actor has LoRA:
+    then the actor serves it), the critic, and ``extra_roles``."""
     lora = config.actor.model.lora.rank > 0
-    train_roles = ["actor"] + (["ref"] if use_ref and not lora else []) + (["critic"] if use_critic else [])
-    tp = config.rollout.tensor_parallel_size
-    # before any process starts: tp must divide the rollout devices (one per rollout worker)
-    rollout_devices = 1 if trainer.executor == "local" else (
-        trainer.n_workers if trainer.placement == "colocated" else trainer.rollout_workers)
-    plan_replicas(rollout_devices, tp)
-    start = dict(manifest=manifest, run_dir=run_dir, worker_cls=worker_cls)
-    if trainer.executor == "local":
-        group = start_role_group(config, roles=train_roles + ["rollout"], name="local", **start)
-        return RoleGroups(group, group, group if use_ref else None, group if use_critic else None, True)
-    if trainer.placement not in ("colocated", "split"):
+    return (["actor", "rollout"] + (["ref"] if use_ref and not lora else []) + (["critic"] if use_critic else [])
+            + [s.name for s in extra_roles])
+
+
+def plan_placement(config: Any, *, use_ref: bool, use_critic: bool,
+                   extra_roles: Sequence[RoleSpec] = ()) -> Placement:
+    """Resolve ``trainer.placement`` for this run's roles and run every check that needs no process: the
+    placement itself, a LoRA actor's reference (the actor serves it, so it cannot have a pool of its own),
+    that ``rollout.tensor_parallel_size`` divides the rollout's pool, and, for a local Ray of
+    ``trainer.ray_num_cpus`` CPUs, that the pools' workers fit them."""
+    roles = run_roles(config, use_ref=use_ref, use_critic=use_critic, extra_roles=extra_roles)
+    known = ["actor", "rollout", "ref", "critic", "reward_model", *(s.name for s in extra_roles)]
+    placement = resolve_placement(config, roles, known_roles=known)
+    lora = config.actor.model.lora.rank > 0
+    mapping = config.trainer.placement
+    if lora and use_ref and hasattr(mapping, "get") and mapping.get("ref") not in (None, mapping.get("actor")):
         from polyrl.errors import ConfigError
 
-        raise ConfigError(f"trainer.placement={trainer.placement!r}: choose 'colocated' or 'split'")
+        raise ConfigError(f"trainer.placement.ref={mapping.get('ref')}: with a LoRA actor the reference is the actor "
+                          "with its adapter disabled, so it lives in the actor's pool; drop ref from "
+                          "trainer.placement")
+    plan_replicas(placement.size_of("rollout"), config.rollout.tensor_parallel_size)
+    t = config.trainer
+    if t.executor == "ray" and t.ray_num_cpus:
+        from polyrl.controller.cluster import cluster_address
+
+        if not cluster_address(config):  # the local Ray this run starts will have exactly ray_num_cpus CPUs
+            check_pools_fit(placement, {"CPU": float(t.ray_num_cpus)}, None)
+    return placement
+
+
+def build_role_groups(config: Any, *, manifest: Manifest | None, use_ref: bool, use_critic: bool,
+                      run_dir: Path, worker_cls: type | None = None,
+                      extra_roles: Sequence[RoleSpec] = ()) -> RoleGroups:
+    """Start the worker groups the run's placement asks for (``worker_cls``: the trainer's worker class;
+    ``extra_roles``: roles beyond actor / rollout / ref / critic, e.g. ``reward_model``)."""
+    trainer = config.trainer
+    specs = role_specs_by_name(extra_roles)
+    placement = plan_placement(config, use_ref=use_ref, use_critic=use_critic, extra_roles=list(specs.values()))
+    tp = config.rollout.tensor_parallel_size
+    trained = ("actor", "critic", *(s.name for s in specs.values() if s.trains))
+    start = dict(manifest=manifest, run_dir=run_dir, worker_cls=worker_cls, role_specs=list(specs.values()))
+    if trainer.executor == "local":
+        (pool,) = placement.pools
+        group = start_role_group(config, roles=list(pool.roles), name="local", **start)
+        return RoleGroups(group, group, group if use_ref else None, group if use_critic else None, True,
+                          roles={r: group for r in pool.roles}, trained_roles=trained, placement=placement)
     from polyrl.trainer.weight_sync import resolve_weight_transfer
 
-    transfer = resolve_weight_transfer(config, _platform(config)) if trainer.placement == "split" else None
-    owns_ray = start_ray(config, run_dir)
+    colocated = placement.shares("actor", "rollout")
+    transfer = None if colocated else resolve_weight_transfer(config, _platform(config))
+    owns_ray = start_ray(config, run_dir, workers=placement.total_workers)
     started: list[WorkerGroup] = []
-
-    def open_group(**kwargs: Any) -> WorkerGroup:
-        started.append(start_role_group(config, **start, **kwargs))
-        return started[-1]
-
     try:
-        if trainer.placement == "colocated":
-            group = open_group(roles=train_roles + ["rollout"], name="colocated")
-            groups = RoleGroups(group, group, group if use_ref else None, group if use_critic else None, True, owns_ray)
-            return _place_replicas(groups, tp)
-        actor = open_group(roles=train_roles, name="actor")
-        rollout = open_group(roles=["rollout"], name="rollout", world_size=trainer.rollout_workers)
-        groups = _place_replicas(
-            RoleGroups(actor, rollout, actor if use_ref else None, actor if use_critic else None, False, owns_ray), tp)
-        leaders = [r.leader for r in groups.replicas] if groups.replicas else list(range(rollout.world_size))
-        groups.weight_sync = make_weight_sync(actor, rollout, colocated=False, transfer=transfer, leaders=leaders)
+        _check_cluster(config, placement)
+        log.info("placement (%s): %s", placement.spelling, placement.describe())
+        by_pool: dict[str, WorkerGroup] = {}
+        for pool in placement.pools:
+            started.append(start_role_group(config, roles=list(pool.roles), name=pool.name, world_size=pool.size,
+                                            **start))
+            by_pool[pool.name] = started[-1]
+        roles = {role: by_pool[pool.name] for pool in placement.pools for role in pool.roles}
+        actor, rollout = roles["actor"], roles["rollout"]
+        # with a LoRA actor the actor serves the reference (its adapter disabled)
+        ref = roles.get("ref", actor) if use_ref else None
+        if ref is not None:
+            roles["ref"] = ref
+        groups = RoleGroups(actor, rollout, ref, roles.get("critic"), colocated, owns_ray, roles=roles,
+                            trained_roles=trained, placement=placement)
+        groups = _place_replicas(groups, tp)
+        if not colocated:
+            leaders = [r.leader for r in groups.replicas] if groups.replicas else list(range(rollout.world_size))
+            groups.weight_sync = make_weight_sync(actor, rollout, colocated=False, transfer=transfer, leaders=leaders)
         return groups
     except BaseException:  # a group that failed to start (or a node check) must not leave Ray or workers behind
         for group in started:
@@ -223,6 +295,13 @@ def build_role_groups(config: Any, *, manifest: Manifest | None, use_ref: bool, 
 
             ray.shutdown()
         raise
+
+
+def _check_cluster(config: Any, placement: Placement) -> None:
+    """The pools must fit the Ray cluster this process joined or started (one CPU and one accelerator each)."""
+    import ray
+
+    check_pools_fit(placement, ray.cluster_resources(), _platform(config).ray_resource)
 
 
 def _place_replicas(groups: RoleGroups, tp: int) -> RoleGroups:
@@ -279,7 +358,7 @@ def ray_temp_dir(run_dir: Path) -> Path:
     return temp_dir
 
 
-def start_ray(config: Any, run_dir: Path) -> bool:
+def start_ray(config: Any, run_dir: Path, *, workers: int | None = None) -> bool:
     """Start Ray for this run; False if Ray is already initialized in this process.
 
     With ``trainer.ray_address`` (or, when that is empty, the ``RAY_ADDRESS`` environment variable) the
@@ -303,7 +382,9 @@ def start_ray(config: Any, run_dir: Path) -> bool:
         ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": env_vars})
         return True
     temp_dir = ray_temp_dir(run_dir)
-    num_cpus = config.trainer.ray_num_cpus or max(os.cpu_count() or 1, config.trainer.n_workers + config.trainer.rollout_workers)
+    # enough CPUs for every worker (``workers``: the pools' total), unless the user set a number
+    workers = workers if workers is not None else config.trainer.n_workers + config.trainer.rollout_workers
+    num_cpus = config.trainer.ray_num_cpus or max(os.cpu_count() or 1, workers)
     ray.init(
         num_cpus=num_cpus,
         _temp_dir=str(temp_dir),

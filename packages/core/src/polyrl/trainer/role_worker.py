@@ -1,19 +1,21 @@
-"""The worker process of a role group: hosts engines and a rollout and runs what the driver asks.
+"""The worker process of a role group: hosts engines and rollouts and runs what the driver asks.
 
 One class serves every placement: with ``colocated`` placement each worker holds
-the actor, rollout, reference and critic (the hybrid engine: they time-share the
+the actor, rollout, reference, critic and reward model (the hybrid engine: they time-share the
 device, with ``offload``/``sleep`` around generation); with ``split`` placement
-the rollout lives in its own group. The worker rebuilds the plugin manager from
-the run's manifest (registrations are never pickled) and joins a
-torch.distributed group with its platform's backend.
+the rollout lives in its own group, and a mapping (``trainer.placement``) puts any role in any pool.
+Roles beyond the built-in four come with a :class:`~polyrl.trainer.roles.RoleSpec` saying what to build.
+The worker rebuilds the plugin manager from the run's manifest (registrations are never pickled) and joins
+a torch.distributed group with its platform's backend.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tensordict import TensorDict
@@ -26,11 +28,14 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    """One rank. ``roles`` is a subset of ``{"actor", "ref", "critic", "rollout"}``.
+    """One rank. ``roles`` is a subset of ``{"actor", "ref", "critic", "rollout"}`` plus the names of
+    ``role_specs`` (roles beyond those four, such as ``reward_model``).
 
     A plugin trainer (``trainer.name``) may run a subclass: :attr:`model_types` picks the engines' model
     type per role, :meth:`load_tokenizer` what text tokenizer (if any) the rollout and agent loops get,
-    and :meth:`collate_outputs` how trajectories become a batch.
+    and :meth:`collate_outputs` how trajectories become a batch. A subclass serving a role of its own adds
+    methods for it and names them in the role's ``RoleSpec.methods``; :meth:`role_engine`,
+    :meth:`role_rollout` and :meth:`using_role` give them the role's engine or rollout (docs/plugins/roles.md).
     """
 
     #: The ``model_type`` each role's engine is built with (``Engine`` factories receive it).
@@ -53,6 +58,7 @@ class Worker:
         master_addr: str = "127.0.0.1",
         master_port: int = 0,
         role_kind: str = "rl",
+        role_specs: Sequence[Any] | None = None,
     ) -> None:
         import torch
 
@@ -79,6 +85,14 @@ class Worker:
 
         self.tokenizer = self.load_tokenizer()
         self.actor = self.ref = self.critic = self.rollout = None
+        #: Roles beyond the built-in four: their specs, and the engine or rollout (and tokenizer) built for each.
+        self.role_specs: dict[str, Any] = {s.name: s for s in role_specs or ()}
+        self.role_engines: dict[str, Any] = {}
+        self.role_rollouts: dict[str, Any] = {}
+        self.role_tokenizers: dict[str, Any] = {}
+        self._dispatch_roles = dict(self.dispatch_roles)
+        for spec in self.role_specs.values():
+            self._dispatch_roles.update({m: spec.name for m in spec.methods})
         types = self.model_types
         if role_kind == "sft":
             self.actor = self._build_engine("actor", config.actor, types["actor"])
@@ -89,6 +103,8 @@ class Worker:
             self.ref = self._build_engine("ref", self._ref_role_config(), types["ref"])
         if "critic" in self.roles:
             self.critic = self._build_engine("critic", config.critic, types["critic"])
+        for name in sorted(self.roles & set(self.role_specs)):
+            self._build_role(self.role_specs[name])
         self.replica_leader = True  # tp=1: every rank is its own replica
         if "rollout" in self.roles and self.config.rollout.tensor_parallel_size == 1:
             self._build_rollout()  # tp > 1: the driver calls build_rollout_replica once it planned replicas
@@ -119,8 +135,10 @@ class Worker:
         keeps this rank's result only when ``collects_output`` (one rank per data-parallel group). Methods
         no engine serves (``generate``) split by rank.
         """
-        role = self.dispatch_roles.get(method)
+        role = self._dispatch_roles.get(method)
         engine = {"actor": self.actor, "ref": self.ref or self.actor, "critic": self.critic}.get(role or "")
+        if engine is None:
+            engine = self.role_engines.get(role or "")
         if engine is None:
             return self.rank, self.world_size, True
         return int(engine.dp_rank), int(engine.dp_size), bool(getattr(engine, "collects_output", True))
@@ -128,6 +146,69 @@ class Worker:
     def _build_engine(self, role: str, role_config: Any, model_type: str) -> Any:
         factory = self.pm.get("engine", role_config.engine)
         return factory(role_config, role=role, model_type=model_type, platform=self.platform)
+
+    # ------------------------------------------------------------------ roles beyond the built-in four
+    def _build_role(self, spec: Any) -> None:
+        """Build what ``spec`` asks for: an engine from its block, or a rollout on the block's own model; a
+        role sharing this worker with others starts offloaded (it takes the device when called)."""
+        from transformers import AutoTokenizer
+
+        from polyrl.models.paths import check_model_paths
+
+        block = spec.block(self.config)
+        check_model_paths(block.model, f"{spec.section}.model")
+        self.role_tokenizers[spec.name] = AutoTokenizer.from_pretrained(block.model.tokenizer_path or block.model.path)
+        if spec.builds == "engine":
+            self.role_engines[spec.name] = self._build_engine(spec.name, block, spec.model_type)
+        else:
+            factory = self.pm.get("rollout", block.rollout.name)
+            self.role_rollouts[spec.name] = factory(block.rollout, model_path=block.model.path,
+                                                    tokenizer=self.role_tokenizers[spec.name], platform=self.platform)
+        if self._offloads(spec.name):
+            self._release_role(spec.name)
+
+    def _offloads(self, name: str) -> bool:
+        spec = self.role_specs[name]
+        return bool(spec.offload_when_shared) and len(self.roles) > 1
+
+    def _release_role(self, name: str) -> None:
+        if name in self.role_engines:
+            self.role_engines[name].offload()
+        rollout = self.role_rollouts.get(name)
+        if rollout is not None and rollout.capabilities.sleep:
+            rollout.sleep(1)
+
+    def _take_role(self, name: str) -> None:
+        if name in self.role_engines:
+            self.role_engines[name].onload()
+        rollout = self.role_rollouts.get(name)
+        if rollout is not None and rollout.capabilities.sleep:
+            rollout.wake_up()
+
+    def role_engine(self, name: str) -> Any:
+        """The engine built for role ``name`` (a ``RoleSpec`` with ``builds="engine"``)."""
+        if name not in self.role_engines:
+            raise RuntimeError(f"{self!r} holds no engine for role '{name}' (its roles: {sorted(self.roles)})")
+        return self.role_engines[name]
+
+    def role_rollout(self, name: str) -> Any:
+        """The rollout built for role ``name`` (a ``RoleSpec`` with ``builds="rollout"``)."""
+        if name not in self.role_rollouts:
+            raise RuntimeError(f"{self!r} holds no rollout for role '{name}' (its roles: {sorted(self.roles)})")
+        return self.role_rollouts[name]
+
+    @contextlib.contextmanager
+    def using_role(self, name: str) -> Iterator[None]:
+        """Around a call that uses role ``name``: when the role shares this worker with other roles (and its
+        spec says so), its engine is onloaded / its rollout woken first and released again after."""
+        release = self._offloads(name)
+        if release:
+            self._take_role(name)
+        try:
+            yield
+        finally:
+            if release:
+                self._release_role(name)
 
     def _ref_role_config(self) -> Any:
         import copy
@@ -212,16 +293,22 @@ class Worker:
             self._lend_device_during_generation(validate)
             return None
         try:
-            if self.actor is not None and not validate:
-                self.actor.offload()
+            if not validate:
+                for engine in self._trained_engines():
+                    engine.offload()
             outputs = run_agent_loops(samples, sampling, self.client, self.agent_loops,
                                       default=self.agent_config.default_loop)
         finally:
-            if self.actor is not None and not validate:
-                self.actor.onload()
+            if not validate:
+                for engine in self._trained_engines():
+                    engine.onload()
             if self.config.rollout.tensor_parallel_size > 1:
                 _barrier()  # the ranks that lent their device may take it back (also when generation failed)
         return self.collate_outputs(outputs)
+
+    def _trained_engines(self) -> list[Any]:
+        """The engines of this worker that hold training state (offloaded while a colocated rollout generates)."""
+        return [e for e in (self.actor, self.critic) if e is not None]
 
     def collate_outputs(self, outputs: list[Any]) -> TensorDict:
         """The batch of finished trajectories (:func:`polyrl.agent_loops.collate`: token fields plus the
@@ -313,10 +400,12 @@ class Worker:
 
     # ------------------------------------------------------------------ inference
     @profiled_call("actor")
-    def compute_log_prob(self, batch: TensorDict) -> TensorDict:
-        """Old log-probs and entropy under the current actor."""
-        out = self.actor.infer_batch(batch, temperature=self.config.rollout.temperature, compute_entropy=True)
-        return out.select("log_probs", "entropy")
+    def compute_log_prob(self, batch: TensorDict, products: Any = None) -> TensorDict:
+        """Old log-probs and entropy under the current actor, and the forward ``products`` asked for
+        (:class:`~polyrl.protocols.ForwardProducts`: ``sum_pi_squared`` for the optimal-token-baseline estimators)."""
+        kw = {"products": products} if products else {}
+        out = self.actor.infer_batch(batch, temperature=self.config.rollout.temperature, compute_entropy=True, **kw)
+        return out.select("log_probs", "entropy", *(products.output_keys() if products else ()))
 
     @profiled_call("ref")
     def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict:
@@ -377,15 +466,17 @@ class Worker:
         return True
 
     def run_update_epochs(self, engine: Any, batch: TensorDict, loss_fn: Any, role_config: Any, *,
-                          shuffle: bool = False, temperature: float = 1.0) -> dict[str, float]:
+                          shuffle: bool = False, temperature: float = 1.0, products: Any = None) -> dict[str, float]:
         """``role_config.ppo_epochs`` passes over ``batch`` (this rank's shard) in mini-batches of
         :meth:`mini_batch_rows`, one ``engine.train_batch(mini_batch, loss_fn, temperature=...)`` each;
-        ``shuffle`` reorders the rows every pass (seeded by the engine's ``dp_rank`` and the epoch). Returns the
-        metrics averaged over the optimizer steps (:func:`polyrl.trainer.updates.run_update_epochs`)."""
+        ``shuffle`` reorders the rows every pass (seeded by the engine's ``dp_rank`` and the epoch); ``products``
+        (:class:`~polyrl.protocols.ForwardProducts`) reach the loss's ``model_output``. Returns the metrics
+        averaged over the optimizer steps (:func:`polyrl.trainer.updates.run_update_epochs`)."""
         from polyrl.trainer.updates import run_update_epochs
 
         return run_update_epochs(engine, batch, self.mini_batch_rows(engine, role_config), role_config.ppo_epochs,
-                                 loss_fn, shuffle=shuffle, seed=engine.dp_rank, temperature=temperature)
+                                 loss_fn, shuffle=shuffle, seed=engine.dp_rank, temperature=temperature,
+                                 products=products)
 
     @profiled_call("actor")
     def sft_step(self, batch: TensorDict) -> dict[str, float]:
@@ -415,17 +506,19 @@ class Worker:
         return recorder.stop() if recorder is not None else []
 
     # ------------------------------------------------------------------ checkpoints
+    def _checkpointed_engines(self) -> list[tuple[str, Any]]:
+        trained = [(n, e) for n, e in self.role_engines.items() if getattr(self.role_specs[n], "trains", False)]
+        return [(r, e) for r, e in (("actor", self.actor), ("critic", self.critic), *trained) if e is not None]
+
     def save_checkpoint(self, path: str) -> None:
-        """Save every engine this worker holds under ``path/<role>``."""
-        for role, engine in (("actor", self.actor), ("critic", self.critic)):
-            if engine is not None:
-                engine.save_checkpoint(f"{path}/{role}")
+        """Save every trained engine this worker holds under ``path/<role>``."""
+        for role, engine in self._checkpointed_engines():
+            engine.save_checkpoint(f"{path}/{role}")
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote."""
-        for role, engine in (("actor", self.actor), ("critic", self.critic)):
-            if engine is not None:
-                engine.load_checkpoint(f"{path}/{role}")
+        for role, engine in self._checkpointed_engines():
+            engine.load_checkpoint(f"{path}/{role}")
 
     def export_hf(self, path: str) -> None:
         """Write the actor as an HF folder."""
@@ -434,25 +527,29 @@ class Worker:
     def _lend_device_during_generation(self, validate: bool) -> None:
         """A rank of a tensor-parallel replica that is not its leader: free the training memory on the
         device the replica's engine uses until every replica finished generating (the leaders' barrier)."""
-        if self.actor is not None and not validate:
-            self.actor.offload()
+        engines = [] if validate else self._trained_engines()
+        for engine in engines:
+            engine.offload()
         try:
             _barrier()
         finally:
-            if self.actor is not None and not validate:
-                self.actor.onload()
+            for engine in engines:
+                engine.onload()
 
     def close(self) -> None:
         """Stop the rollout engine (``Rollout.shutdown``), then leave the process group."""
         import torch.distributed as dist
 
         rollout, self.rollout = getattr(self, "rollout", None), None
-        shutdown = getattr(rollout, "shutdown", None)  # rollouts written before shutdown() joined the protocol
-        if shutdown is not None:
-            try:
-                shutdown()
-            except Exception:  # teardown goes on: the process group must still be left
-                logger.exception("rank %d: rollout shutdown failed", self.rank)
+        role_rollouts = dict(getattr(self, "role_rollouts", {}))
+        self.role_rollouts = {}
+        for name, r in (("rollout", rollout), *role_rollouts.items()):
+            shutdown = getattr(r, "shutdown", None)  # rollouts written before shutdown() joined the protocol
+            if shutdown is not None:
+                try:
+                    shutdown()
+                except Exception:  # teardown goes on: the process group must still be left
+                    logger.exception("rank %d: %s shutdown failed", self.rank, name)
         sender = getattr(self, "_weight_sender", None)
         if sender is not None:  # a send still waiting for its receivers: give it a moment, then leave anyway
             try:

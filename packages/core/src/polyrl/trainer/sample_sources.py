@@ -71,11 +71,13 @@ def configure_async_mode(trainer: Any) -> str:
         raise ConfigError(f"trainer.async_max_staleness={t.async_max_staleness}: give 0 or more policy versions")
     if mode == "sync":
         return mode
-    if t.executor != "ray" or t.placement != "split":
+    placement = getattr(trainer, "placement", None)
+    own_pool = placement is not None and placement.spelling != "local" and not placement.shares("actor", "rollout")
+    if t.executor != "ray" or not own_pool:
         raise ConfigError(
             f"trainer.async_mode={mode} overlaps generation with training, so the rollout needs its own workers: "
-            f"set trainer.executor=ray and trainer.placement=split (now executor={t.executor}, "
-            f"placement={t.placement})")
+            f"set trainer.executor=ray and trainer.placement=split, or place the rollout in a pool apart from the "
+            f"actor's (now executor={t.executor}, placement={t.placement})")
     if cfg.rollout.tensor_parallel_size != 1:
         raise ConfigError(f"trainer.async_mode={mode} drives each rollout worker on its own; "
                           f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} is not supported there "
@@ -342,7 +344,8 @@ class StreamingSource(RolloutSource):
         self.max_staleness = int(t.async_max_staleness)
         self.abort = t.async_inflight == "abort"
         self.capacity = t.async_queue_groups or self.batch_groups * max(1, self.max_staleness)
-        workers = max(1, t.rollout_workers)
+        placement = getattr(trainer, "placement", None)
+        workers = max(1, placement.size_of("rollout") if placement is not None else t.rollout_workers)
         # a batch spread over the workers: a generation call costs about the same for fewer samples on a rollout
         # whose time goes into per-token steps (hf on CPU: half-batch chunks took twice as long per batch)
         self.chunk_groups = t.async_chunk_groups or max(1, self.batch_groups // workers)

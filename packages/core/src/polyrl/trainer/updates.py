@@ -33,11 +33,14 @@ def single_update_pass(epochs: int, mini_batch: int, batch: int) -> bool:
 
 
 def run_update_epochs(engine: Any, batch: TensorDict, rows: int, epochs: int, loss_fn: Any, *, shuffle: bool,
-                      seed: int, temperature: float = 1.0) -> dict[str, float]:
+                      seed: int, temperature: float = 1.0, products: Any = None) -> dict[str, float]:
     """``epochs`` passes over ``batch``, one ``engine.train_batch(mini_batch, loss_fn, temperature=...)`` per
     mini-batch of ``rows`` rows (a trailing part smaller than ``rows`` is left out); metrics averaged over the
     optimizer steps. With ``shuffle`` each pass takes the rows in an order drawn from ``seed`` and the epoch
-    (give every data-parallel rank its own seed, e.g. its ``dp_rank``)."""
+    (give every data-parallel rank its own seed, e.g. its ``dp_rank``). ``products``
+    (:class:`~polyrl.protocols.ForwardProducts`) are passed to ``train_batch`` only when some are asked for, so
+    an engine that computes none still runs every other update."""
+    extra = {"products": products} if products else {}
     size = batch.batch_size[0]
     rows = max(1, min(rows, size))
     sums: dict[str, float] = {}
@@ -46,7 +49,7 @@ def run_update_epochs(engine: Any, batch: TensorDict, rows: int, epochs: int, lo
         order = torch.randperm(size, generator=torch.Generator().manual_seed(seed * 1000 + epoch)) if shuffle else None
         data = batch[order] if order is not None else batch
         for start in range(0, size - rows + 1, rows):
-            metrics = engine.train_batch(data[start : start + rows], loss_fn, temperature=temperature)
+            metrics = engine.train_batch(data[start : start + rows], loss_fn, temperature=temperature, **extra)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
             steps += 1
