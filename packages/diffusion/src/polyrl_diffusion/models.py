@@ -42,6 +42,7 @@ __all__ = [
     "SUPPORTED_PIPELINES",
     "FlowModel",
     "TextEmbeddings",
+    "decode_qwenimage",
     "load_flow_model",
     "load_transformer",
     "make_tiny_diffusers_pipeline",
@@ -50,6 +51,7 @@ __all__ = [
     "guidance_norm",
     "pad_text",
     "pixels_per_latent",
+    "scheduler_sigmas",
     "transformer_velocity",
 ]
 
@@ -120,8 +122,9 @@ def pipeline_family(path: str | Path, key: str = "actor.model.path") -> tuple[st
                           f"supported: {', '.join(SUPPORTED_PIPELINES)}")
     if name == "PolyrlFlowPipeline":
         family = index.get("family")
-        if family not in ("sd3", "flux"):
-            raise ConfigError(f"{key}={path}: model_index.json family={family!r}; choose 'sd3' or 'flux'")
+        if family not in TRANSFORMER_CLASSES:
+            raise ConfigError(f"{key}={path}: model_index.json family={family!r}; choose one of "
+                              f"{', '.join(TRANSFORMER_CLASSES)}")
         return family, True
     return SUPPORTED_PIPELINES[name], False
 
@@ -322,7 +325,7 @@ class FlowModel:
         QwenImage's ``max_sequence_length``, 512 tokens after its template's system prefix)."""
         if not self.tiny and self.family != "qwenimage":
             return  # SD3 / FLUX: the pipelines' encode_prompt truncates with a warning, as diffusers does
-        count = QwenPromptLengths(self.pipeline) if self.family == "qwenimage" else None
+        count = QwenPromptLengths(self.pipeline) if self.family == "qwenimage" and not self.tiny else None
         for p in prompts:
             n = count(p) if count is not None else len(self.tokenizer(p)["input_ids"])
             if n > self.max_text_length:
@@ -336,8 +339,11 @@ class FlowModel:
             self.check_prompts(prompts)
             enc = self.tokenizer(list(prompts), padding="max_length", max_length=self.max_text_length,
                                  return_tensors="pt")
-            out = self.text_encoder(input_ids=enc["input_ids"].to(self.device),
-                                    attention_mask=enc["attention_mask"].to(self.device))
+            mask = enc["attention_mask"].to(self.device)
+            out = self.text_encoder(input_ids=enc["input_ids"].to(self.device), attention_mask=mask)
+            if self.masked_text:  # the prompt's own tokens, as QwenImage's text: no pooled embedding
+                hidden = out.last_hidden_state.float()
+                return TextEmbeddings(hidden, hidden.new_zeros(hidden.shape[0], 0), mask.long())
             return TextEmbeddings(out.last_hidden_state.float(), out.text_embeds.float())
         if self.family == "sd3":
             embeds, _, pooled, _ = self.pipeline.encode_prompt(list(prompts), list(prompts), list(prompts),
@@ -364,18 +370,13 @@ class FlowModel:
         """Images ``uint8 [N, 3, H, W]`` from latents (identity latent space for the tiny pipelines)."""
         if self.tiny:
             x = latents
-        elif self.family == "qwenimage":  # a video VAE: one frame, per-channel latent mean / std (as the pipeline)
-            cfg = self.vae.config
-            shape = (1, int(cfg.z_dim), 1, 1, 1)
-            lat = latents.unsqueeze(2).to(self.vae.dtype)
-            mean = torch.tensor(cfg.latents_mean).view(shape).to(lat.device, lat.dtype)
-            inv_std = 1.0 / torch.tensor(cfg.latents_std).view(shape).to(lat.device, lat.dtype)
-            x = self.vae.decode(lat / inv_std + mean, return_dict=False)[0][:, :, 0].float()
+        elif self.family == "qwenimage":
+            x = decode_qwenimage(self.vae, latents)
         else:
             cfg = self.vae.config
             x = latents / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
             x = self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0].float()
-        return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+        return to_uint8(x)
 
     def sigma_schedule(self, num_steps: int, latent_hw: tuple[int, int]) -> torch.Tensor:
         """``num_steps + 1`` sigmas from 1 to 0 (float32, on the CPU) for latents of ``latent_hw``.
@@ -391,26 +392,51 @@ class FlowModel:
             from polyrl_diffusion.sampler import sigma_schedule
 
             return sigma_schedule(num_steps, self.shift)
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        import numpy as np
-
-        base = self.pipeline.scheduler
-        sched = type(base).from_config(base.config)  # a private copy: the pipeline's own keeps its state
-        cfg = sched.config
         patch = int(getattr(self.transformer.config, "patch_size", 1)) if self.family == "sd3" else 2
-        seq = (latent_hw[0] // patch) * (latent_hw[1] // patch)
-        packed = self.family in ("flux", "qwenimage")  # their pipelines pass uniform sigmas and mu
-        kwargs: dict[str, Any] = {}
-        if packed or getattr(cfg, "use_dynamic_shifting", False):
-            lo, hi = cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096)
-            b_shift = cfg.get("base_shift", 0.5)
-            m_shift = cfg.get("max_shift", 1.16 if self.family == "sd3" else 1.15)
-            kwargs["mu"] = b_shift + (m_shift - b_shift) * (seq - lo) / (hi - lo)
-        if packed and not getattr(cfg, "use_flow_sigmas", False):
-            kwargs["sigmas"] = np.linspace(1.0, 1 / num_steps, num_steps)
-        sched.set_timesteps(num_steps, device="cpu", **kwargs)
-        return sched.sigmas.detach().float().cpu()
+        return scheduler_sigmas(self.pipeline.scheduler, self.family, num_steps, latent_hw, patch)
+
+
+def decode_qwenimage(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """QwenImage's VAE decode of latents ``[N, C, H, W]`` to images in [-1, 1] (float32 ``[N, 3, H', W']``): a video
+    VAE given one frame, the latents un-normalised by its per-channel ``latents_mean`` / ``latents_std`` exactly as
+    diffusers' ``QwenImagePipeline`` does (dividing by ``1 / std``)."""
+    cfg = vae.config
+    shape = (1, int(cfg.z_dim), 1, 1, 1)
+    dtype = next(vae.parameters()).dtype
+    lat = latents.unsqueeze(2).to(dtype)
+    mean = torch.tensor(cfg.latents_mean).view(shape).to(lat.device, lat.dtype)
+    inv_std = 1.0 / torch.tensor(cfg.latents_std).view(shape).to(lat.device, lat.dtype)
+    return vae.decode(lat / inv_std + mean, return_dict=False)[0][:, :, 0].float()
+
+
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """Images in [-1, 1] -> ``uint8`` on the CPU (clamped, rounded)."""
+    return ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+
+
+def scheduler_sigmas(scheduler: Any, family: str, num_steps: int, latent_hw: tuple[int, int], patch: int = 2
+                     ) -> torch.Tensor:
+    """``num_steps + 1`` sigmas (float32, CPU) of a diffusers pipeline's ``scheduler`` as the ``family``'s pipeline
+    configures it for latents of ``latent_hw`` with ``patch x patch`` tokens (see :meth:`FlowModel.sigma_schedule`);
+    the scheduler itself is not changed (a copy is configured)."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    import numpy as np
+
+    sched = type(scheduler).from_config(scheduler.config)  # a private copy: the pipeline's own keeps its state
+    cfg = sched.config
+    seq = (latent_hw[0] // patch) * (latent_hw[1] // patch)
+    packed = family in ("flux", "qwenimage")  # their pipelines pass uniform sigmas and mu
+    kwargs: dict[str, Any] = {}
+    if packed or getattr(cfg, "use_dynamic_shifting", False):
+        lo, hi = cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096)
+        b_shift = cfg.get("base_shift", 0.5)
+        m_shift = cfg.get("max_shift", 1.16 if family == "sd3" else 1.15)
+        kwargs["mu"] = b_shift + (m_shift - b_shift) * (seq - lo) / (hi - lo)
+    if packed and not getattr(cfg, "use_flow_sigmas", False):
+        kwargs["sigmas"] = np.linspace(1.0, 1 / num_steps, num_steps)
+    sched.set_timesteps(num_steps, device="cpu", **kwargs)
+    return sched.sigmas.detach().float().cpu()
 
 
 def load_flow_model(path: str | Path, *, key: str = "actor.model.path", device: Any = "cpu",
@@ -473,15 +499,17 @@ def make_tiny_pipeline(path: str | Path, *, family: str = "sd3", sample_size: in
                        shift: float = 1.0) -> Path:
     """Write a tiny random-init pipeline folder (no download) and return its path.
 
-    ``family`` ``sd3`` (``SD3Transformer2DModel``) or ``flux`` (``FluxTransformer2DModel``); latents are
+    ``family`` ``sd3`` (``SD3Transformer2DModel``), ``flux`` (``FluxTransformer2DModel``) or ``qwenimage``
+    (``QwenImageTransformer2DModel``: its text is the CLIP encoder's hidden states of the prompt's own tokens,
+    right-padded with a mask and no pooled embedding, as QwenImage's); latents are
     ``channels x sample_size x sample_size`` pixels in [-1, 1] (identity latent space); the text encoder is a
     one-layer CLIP of width ``width`` taking ``text_length`` tokens.
     """
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+    from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
-    if family not in ("sd3", "flux"):
-        raise ValueError(f"family={family!r}: choose 'sd3' or 'flux'")
+    if family not in TRANSFORMER_CLASSES:
+        raise ValueError(f"family={family!r}: choose one of {', '.join(TRANSFORMER_CLASSES)}")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -491,6 +519,12 @@ def make_tiny_pipeline(path: str | Path, *, family: str = "sd3", sample_size: in
             sample_size=sample_size, patch_size=2, in_channels=channels, out_channels=channels, num_layers=layers,
             attention_head_dim=width // heads, num_attention_heads=heads, joint_attention_dim=width,
             caption_projection_dim=width, pooled_projection_dim=width, pos_embed_max_size=max(16, sample_size))
+    elif family == "qwenimage":
+        head_dim = width // heads
+        rope = (head_dim // 4, head_dim // 4, head_dim - 2 * (head_dim // 4))
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=channels * 4, out_channels=channels, num_layers=layers, attention_head_dim=head_dim,
+            num_attention_heads=heads, joint_attention_dim=width, axes_dims_rope=rope)
     else:
         head_dim = width // heads
         rope = (head_dim // 4 * 1, head_dim // 4 * 1, head_dim - 2 * (head_dim // 4))

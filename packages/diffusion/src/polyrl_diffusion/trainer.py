@@ -106,7 +106,7 @@ class FlowGRPOTrainer(PPOTrainer):
         return PreTrainedTokenizerFast.from_pretrained(f"{self.config.actor.model.path}/tokenizer")
 
     def _max_text_length(self) -> int | None:
-        if self.family == "qwenimage":
+        if self.family == "qwenimage" and not self.tiny:
             from polyrl_diffusion.models import QWENIMAGE_MAX_TEXT_LENGTH
 
             return QWENIMAGE_MAX_TEXT_LENGTH
@@ -129,7 +129,7 @@ class FlowGRPOTrainer(PPOTrainer):
         data = self.config.data
         limit = self._max_text_length()
         count = self._text_token_count()
-        longest = count(self.flow.negative_prompt) if count is not None else 0
+        longest = [count(self.flow.negative_prompt) if count is not None else 0]  # QwenImage's text tokens
 
         def load(files: Any) -> list[dict]:
             rows: list[dict] = []
@@ -139,7 +139,7 @@ class FlowGRPOTrainer(PPOTrainer):
                     for key in ("prompt", "negative_prompt"):
                         text = prompt_text(row.get(key)) if row.get(key) is not None else None
                         if count is not None and text is not None:  # QwenImage: "" is a prompt too
-                            longest = max(longest, count(text))
+                            longest[0] = max(longest[0], count(text))
                         if text and limit is not None:
                             n = count(text) if count is not None else len(self.tokenizer(text)["input_ids"])
                             if n > limit:
@@ -161,14 +161,16 @@ class FlowGRPOTrainer(PPOTrainer):
                 raise ConfigError(f"trainer.flow_grpo.negative_prompt is {n} tokens; the text encoder takes {limit}")
         train_rows, val_rows = load(data.train_files), (load(data.val_files) if data.val_files else None)
         if count is not None and not self.rollout_opts.text_length:
-            self.rollout_opts.text_length = longest  # workers start after this: every rank pads to it
+            self.rollout_opts.text_length = longest[0]  # workers start after this: every rank pads to it
         return train_rows, val_rows
 
     def _text_token_count(self) -> Any:
-        """QwenImage: :class:`~polyrl_diffusion.models.QwenPromptLengths` of the model folder (its tokenizer alone);
-        ``None`` for the other families (fixed-length text)."""
+        """QwenImage: :class:`~polyrl_diffusion.models.QwenPromptLengths` of the model folder (its tokenizer alone;
+        a tiny pipeline's: its tokens); ``None`` for the other families (fixed-length text)."""
         if self.family != "qwenimage":
             return None
+        if self.tiny:
+            return lambda text: len(self.tokenizer(text)["input_ids"])
         from polyrl_diffusion.models import QwenPromptLengths
 
         return QwenPromptLengths.from_folder(self.config.actor.model.path)
