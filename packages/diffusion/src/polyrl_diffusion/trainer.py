@@ -25,8 +25,8 @@ from polyrl_diffusion.worker import FlowGRPOWorker
 
 log = logging.getLogger("polyrl")
 
-#: The rollouts the flow_grpo trainer samples with: polyrl's own diffusers sampler, or vllm-omni's engine.
-ROLLOUTS = ("diffusers", "vllm_omni")
+#: The rollouts the flow_grpo trainer samples with (polyrl's diffusers sampler; docs/diffusion.md, "Rollouts").
+ROLLOUTS = ("diffusers",)
 
 
 class FlowGRPOTrainer(PPOTrainer):
@@ -54,10 +54,6 @@ class FlowGRPOTrainer(PPOTrainer):
         if config.rollout.name not in ROLLOUTS:
             raise ConfigError(f"trainer.name=flow_grpo samples with rollout.name={' or '.join(ROLLOUTS)}, not "
                               f"{config.rollout.name!r}")
-        if config.rollout.name == "vllm_omni":
-            from polyrl_diffusion.vllm_omni import check_vllm_omni
-
-            check_vllm_omni(config)
         if config.algorithm.adv_estimator == "gae":
             raise ConfigError("algorithm.adv_estimator=gae needs a critic; flow_grpo has none: use flow_grpo or grpo")
         from polyrl_diffusion.models import pipeline_family
