@@ -9,7 +9,6 @@ from tensordict import TensorDict
 
 from polyrl.trainer.role_worker import Worker
 
-
 #: Text fields whose rows may differ in length (QwenImage's prompts; right-padded, the masks with 0).
 PADDED_TEXT_FIELDS = ("prompt_embeds", "prompt_embeds_mask", "negative_prompt_embeds", "negative_prompt_embeds_mask")
 
