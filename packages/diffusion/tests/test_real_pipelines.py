@@ -1,10 +1,14 @@
-"""Real-format diffusers pipeline folders (``StableDiffusion3Pipeline``, ``FluxPipeline``) against diffusers itself.
+"""Real-format diffusers pipeline folders (``StableDiffusion3Pipeline``, ``FluxPipeline``, ``QwenImagePipeline``)
+against diffusers itself.
 
 The folders are written by :func:`polyrl_diffusion.models.make_tiny_diffusers_pipeline`: every component is the
-real class (three / two text encoders with their real tokenizers, a VAE, the flow-matching scheduler), random
-init and tiny, nothing downloaded. polyrl's rollout must draw the *same image* as the diffusers pipeline from
-the same initial latents with the ODE sampler: that checks the sigma schedule and shift, the timestep scale,
-FLUX's packing and position ids, classifier-free guidance, the text encoding and the VAE decode.
+real class (three / two text encoders with their real tokenizers, or QwenImage's Qwen2.5-VL encoder with its
+byte-level BPE tokenizer, a VAE, the flow-matching scheduler), random init and tiny, nothing downloaded.
+polyrl's rollout must draw the *same image* as the diffusers pipeline from the same initial latents with the ODE
+sampler: that checks the sigma schedule and shift (QwenImage's exponential dynamic shift and terminal stretch),
+the timestep scale, FLUX's and QwenImage's packing, position ids and image shapes, classifier-free guidance
+(QwenImage's norm-preserving true CFG), the text encoding (QwenImage's template, dropped prefix and masks) and the
+VAE decode.
 """
 
 from __future__ import annotations
@@ -15,7 +19,13 @@ import numpy as np
 import pytest
 import torch
 from polyrl_diffusion.config import DiffusersRolloutConfig, FlowGRPOConfig
-from polyrl_diffusion.models import _unpack, load_flow_model, make_tiny_diffusers_pipeline
+from polyrl_diffusion.models import (
+    QwenPromptLengths,
+    _unpack,
+    load_flow_model,
+    make_tiny_diffusers_pipeline,
+    pixels_per_latent,
+)
 from polyrl_diffusion.sampler import sigma_schedule
 from polyrl_diffusion.worker import collate_images
 
@@ -28,7 +38,10 @@ PROMPTS = ["a bright red cat", "a dark sea at night"]
 NEGATIVES = ["dull grey", ""]
 
 
-@pytest.fixture(scope="module", params=["sd3", "flux"])
+FAMILIES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "QwenImagePipeline": "qwenimage"}
+
+
+@pytest.fixture(scope="module", params=["sd3", "flux", "qwenimage"])
 def real_dir(request, tmp_path_factory):
     return make_tiny_diffusers_pipeline(tmp_path_factory.mktemp(request.param) / "m", family=request.param, seed=0)
 
@@ -50,18 +63,21 @@ def _requests(validate, negatives=None):
 
 def test_folder_loads_as_what_it_is(real_dir):
     index = json.loads((real_dir / "model_index.json").read_text())
-    family = "sd3" if index["_class_name"] == "StableDiffusion3Pipeline" else "flux"
-    assert index["_class_name"] in ("StableDiffusion3Pipeline", "FluxPipeline")
+    family = FAMILIES[index["_class_name"]]
     model = load_flow_model(real_dir)
     assert (model.family, model.tiny) == (family, False)
-    factor = 2 ** (len(model.vae.config.block_out_channels) - 1)
-    assert factor == 2
-    assert model.latent_shape(PIXELS, 2 * PIXELS) == (4, PIXELS // factor, 2 * PIXELS // factor)
-    # the default image size is the pipeline's (SD3: the transformer's sample_size; FLUX: 128 latents)
+    assert pixels_per_latent(real_dir) == model.pipeline.vae_scale_factor == 2
+    assert model.latent_shape(PIXELS, 2 * PIXELS) == (4, PIXELS // 2, PIXELS)
+    # the default image size is the pipeline's (SD3: the transformer's sample_size; FLUX, QwenImage: 128 latents)
     assert model.latent_shape()[1] == model.pipeline.default_sample_size
     emb = model.encode(PROMPTS)
-    assert emb.prompt_embeds.shape[0] == 2 and emb.pooled.shape == (2, model.transformer.config.pooled_projection_dim)
+    pooled = 0 if family == "qwenimage" else model.transformer.config.pooled_projection_dim
+    assert emb.prompt_embeds.shape[0] == 2 and emb.pooled.shape == (2, pooled)
     assert not torch.allclose(emb.prompt_embeds[0], emb.prompt_embeds[1])  # the prompts reach the encoders
+    if family == "qwenimage":  # each prompt its own length: the rows after the template's 34-token prefix
+        count = QwenPromptLengths.from_folder(real_dir)
+        assert emb.mask.sum(-1).tolist() == [count(p) for p in PROMPTS]
+        assert count(PROMPTS[1]) > count(PROMPTS[0])
 
 
 @pytest.mark.parametrize("scale", [1.0, 3.0])
@@ -78,7 +94,7 @@ def test_ode_rollout_draws_the_diffusers_pipelines_image(real_dir, scale):
     kw = {"negative_prompt": negatives} if negatives else {}
     if sd3:
         kw["guidance_scale"] = scale
-    else:
+    else:  # FLUX's and QwenImage's true CFG
         kw["true_cfg_scale"] = scale
     latents = noise if sd3 else noise.view(2, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(2, -1, 4 * c)
 

@@ -134,6 +134,11 @@ class DiffusersRolloutConfig:
     #: distinct prompt once; the text encoder is frozen (only the transformer trains), so entries never go stale.
     #: Memory: one entry is ``L x D`` floats (SD3.5 333 x 4096: 5.5 MB on the rollout device).
     text_cache_size: int = 64
+    #: Models whose prompts have their own lengths (QwenImage): the text embeddings of every image are right-padded
+    #: to this many tokens (with a mask), so batches from different calls and ranks line up. 0: the flow_grpo
+    #: trainer sets it to the longest prompt or negative prompt of the data (a rollout built directly pads each
+    #: call to its longest prompt). A longer prompt is an error naming this key.
+    text_length: int = 0
     #: Filled in by the flow_grpo trainer; a rollout built directly gets the defaults.
     sampler: FlowGRPOConfig = field(default_factory=FlowGRPOConfig)
 
@@ -180,6 +185,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     # rollout.diffusers / actor.diffusers
     "max_batch_size": (1, None, False, False),
     "text_cache_size": (0, None, False, False),
+    "text_length": (0, None, False, False),
 }
 
 

@@ -28,7 +28,14 @@ from torch import nn
 
 from polyrl.batch import require_fields
 from polyrl.errors import ConfigError
-from polyrl_diffusion.models import TextEmbeddings, load_transformer, pipeline_family, transformer_velocity
+from polyrl_diffusion.models import (
+    TextEmbeddings,
+    guidance_norm,
+    load_transformer,
+    pad_text,
+    pipeline_family,
+    transformer_velocity,
+)
 from polyrl_diffusion.sampler import guided, sde_step_mean, step_log_prob
 from polyrl_diffusion.weight_copies import WeightCopy
 from polyrl_engine_fsdp.engine import FSDPEngine, full_tensor
@@ -44,7 +51,16 @@ OUTPUT_KEYS = ("log_probs", "entropy", "velocity", "prev_sample_mean", "std_dev_
 
 
 def _concat(a: TextEmbeddings, b: TextEmbeddings) -> TextEmbeddings:
-    return TextEmbeddings(torch.cat([a.prompt_embeds, b.prompt_embeds]), torch.cat([a.pooled, b.pooled]))
+    return pad_text([a, b])
+
+
+def _text(inputs: Mapping[str, torch.Tensor], prefix: str, t: int) -> TextEmbeddings:
+    """The ``prefix``-conditioning of a micro-batch (``""`` or ``"negative_"``), each row repeated ``t`` times
+    (one per trained step); the mask where the family has one (``prompt_embeds_mask``: QwenImage)."""
+    mask = inputs.get(f"{prefix}prompt_embeds_mask")
+    return TextEmbeddings(inputs[f"{prefix}prompt_embeds"].repeat_interleave(t, 0),
+                          inputs[f"{prefix}pooled_prompt_embeds"].repeat_interleave(t, 0),
+                          mask.repeat_interleave(t, 0) if mask is not None else None)
 
 
 class DiffusionRoot(nn.Module):
@@ -65,8 +81,7 @@ class DiffusionRoot(nn.Module):
         b, t = lat.shape[:2]
         x = lat.reshape(b * t, *lat.shape[2:])
         sigma = inputs["sigmas"].reshape(-1)
-        cond = TextEmbeddings(inputs["prompt_embeds"].repeat_interleave(t, 0),
-                              inputs["pooled_prompt_embeds"].repeat_interleave(t, 0))
+        cond = _text(inputs, "", t)
         scale = 1.0
         uncond = None
         if "guidance_scale" in inputs and "negative_prompt_embeds" in inputs:
@@ -75,8 +90,7 @@ class DiffusionRoot(nn.Module):
             if not bool((scales == scale).all()):
                 raise ValueError("a micro-batch mixes guidance scales; sample every row of a step with one cfg_scale")
             if scale != 1.0:
-                uncond = TextEmbeddings(inputs["negative_prompt_embeds"].repeat_interleave(t, 0),
-                                        inputs["negative_pooled_prompt_embeds"].repeat_interleave(t, 0))
+                uncond = _text(inputs, "negative_", t)
 
         embedded = 1.0  # a guidance-distilled FLUX's embedded guidance, as the rollout sampled with it
         if "embedded_guidance" in inputs:
@@ -89,7 +103,7 @@ class DiffusionRoot(nn.Module):
         def velocity_fn(xx: torch.Tensor, ss: torch.Tensor, emb: TextEmbeddings) -> torch.Tensor:
             return transformer_velocity(self.model, self.family, xx, ss, emb, embedded)
 
-        v = guided(velocity_fn, x, sigma, cond, uncond, scale, _concat)
+        v = guided(velocity_fn, x, sigma, cond, uncond, scale, _concat, guidance_norm(self.family))
         out = {"velocity": v.reshape(b, t, *v.shape[1:])}
         if "next_latents" in inputs:
             nxt = inputs["next_latents"].reshape(b * t, *lat.shape[2:]).float()

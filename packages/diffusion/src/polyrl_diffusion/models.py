@@ -9,14 +9,17 @@ A model is a folder. Two kinds load:
   vocabulary, and an *identity latent space* (the latents are the RGB pixels in [-1, 1]; no VAE). Why:
   one text encoder instead of SD3's three keeps the model a few MB and the whole RL run on a laptop CPU,
   while the transformer, its conditioning inputs and the sampler are exactly those of the real family.
-* a **diffusers checkpoint folder** (``StableDiffusion3Pipeline``, ``FluxPipeline``): the transformer,
-  text encoders and VAE of a real model; the prompt is encoded by the pipeline's own ``encode_prompt`` and the
-  sigma schedule is the pipeline's scheduler's. :func:`make_tiny_diffusers_pipeline` writes such a folder with
-  tiny random-init components (no download); the tests check polyrl's sampler against the pipeline itself.
+* a **diffusers checkpoint folder** (``StableDiffusion3Pipeline``, ``FluxPipeline``, ``QwenImagePipeline``): the
+  transformer, text encoders and VAE of a real model; the prompt is encoded by the pipeline's own
+  ``encode_prompt`` and the sigma schedule is the pipeline's scheduler's. :func:`make_tiny_diffusers_pipeline`
+  writes such a folder with tiny random-init components (no download); the tests check polyrl's sampler against
+  the pipeline itself.
 
 Any other ``_class_name`` is a :class:`polyrl.errors.ConfigError` naming the key and the supported classes.
 :class:`FlowModel` hides the family differences: text encoding, the transformer call (latent packing,
-timestep scale, position ids) and decoding to images.
+timestep scale, position ids, text masks) and decoding to images. QwenImage's text embeddings have a length per
+prompt (its Qwen2.5-VL encoder's hidden states after the chat template's system prefix): they travel right-padded
+with a mask (:attr:`TextEmbeddings.mask`) and no pooled embedding (a ``[B, 0]`` tensor).
 """
 
 from __future__ import annotations
@@ -39,12 +42,16 @@ __all__ = [
     "SUPPORTED_PIPELINES",
     "FlowModel",
     "TextEmbeddings",
+    "decode_qwenimage",
     "load_flow_model",
     "load_transformer",
     "make_tiny_diffusers_pipeline",
     "make_tiny_pipeline",
     "pipeline_family",
+    "guidance_norm",
+    "pad_text",
     "pixels_per_latent",
+    "scheduler_sigmas",
     "transformer_velocity",
 ]
 
@@ -53,7 +60,10 @@ SUPPORTED_PIPELINES = {
     "PolyrlFlowPipeline": None,  # family read from the file's "family" key
     "StableDiffusion3Pipeline": "sd3",
     "FluxPipeline": "flux",
+    "QwenImagePipeline": "qwenimage",
 }
+#: Families whose text embeddings have a length per prompt (padded, with a mask) and no pooled embedding.
+MASKED_TEXT_FAMILIES = ("qwenimage",)
 
 #: Words of the tiny tokenizer (prompts outside it map to [UNK]).
 TINY_VOCAB = (  # noqa: SIM905
@@ -66,10 +76,29 @@ _SPECIALS = ["[PAD]", "[UNK]", "[BOS]", "[EOS]"]
 
 @dataclass
 class TextEmbeddings:
-    """What the transformer is conditioned on: ``prompt_embeds`` ``[B, L, D]`` and ``pooled`` ``[B, Dp]``."""
+    """What the transformer is conditioned on: ``prompt_embeds`` ``[B, L, D]`` and ``pooled`` ``[B, Dp]``
+    (``[B, 0]`` for a family without one); ``mask`` ``[B, L]`` (1: a token, 0: right padding) for a family whose
+    prompts have their own lengths (QwenImage), else ``None``."""
 
     prompt_embeds: torch.Tensor
     pooled: torch.Tensor
+    mask: torch.Tensor | None = None
+
+
+def pad_text(embeds: Sequence[TextEmbeddings], length: int = 0) -> TextEmbeddings:
+    """``embeds`` stacked along the batch: the text right-padded with zeros to the longest (at least ``length``)
+    and a mask when any has one (or when the lengths differ)."""
+    longest = max([length, *(e.prompt_embeds.shape[1] for e in embeds)])
+    masked = any(e.mask is not None for e in embeds) or len({e.prompt_embeds.shape[1] for e in embeds}) > 1
+    rows, masks = [], []
+    for e in embeds:
+        b, n = e.prompt_embeds.shape[:2]
+        pad = longest - n
+        rows.append(torch.nn.functional.pad(e.prompt_embeds, (0, 0, 0, pad)) if pad else e.prompt_embeds)
+        if masked:
+            m = e.mask if e.mask is not None else torch.ones(b, n, dtype=torch.long, device=e.prompt_embeds.device)
+            masks.append(torch.nn.functional.pad(m.long(), (0, pad)) if pad else m.long())
+    return TextEmbeddings(torch.cat(rows), torch.cat([e.pooled for e in embeds]), torch.cat(masks) if masked else None)
 
 
 # ---------------------------------------------------------------------------- folder kinds
@@ -79,7 +108,7 @@ def _model_index(path: str | Path, key: str) -> dict[str, Any]:
     index = Path(path) / "model_index.json"
     if not index.is_file():
         raise ConfigError(f"{key}={path}: no model_index.json there; give a diffusers pipeline folder "
-                          "(StableDiffusion3Pipeline, FluxPipeline) or one written by "
+                          "(StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline) or one written by "
                           "polyrl_diffusion.models.make_tiny_pipeline")
     return json.loads(index.read_text())
 
@@ -93,8 +122,9 @@ def pipeline_family(path: str | Path, key: str = "actor.model.path") -> tuple[st
                           f"supported: {', '.join(SUPPORTED_PIPELINES)}")
     if name == "PolyrlFlowPipeline":
         family = index.get("family")
-        if family not in ("sd3", "flux"):
-            raise ConfigError(f"{key}={path}: model_index.json family={family!r}; choose 'sd3' or 'flux'")
+        if family not in TRANSFORMER_CLASSES:
+            raise ConfigError(f"{key}={path}: model_index.json family={family!r}; choose one of "
+                              f"{', '.join(TRANSFORMER_CLASSES)}")
         return family, True
     return SUPPORTED_PIPELINES[name], False
 
@@ -102,10 +132,15 @@ def pipeline_family(path: str | Path, key: str = "actor.model.path") -> tuple[st
 def load_transformer(path: str | Path, key: str = "actor.model.path", dtype: torch.dtype = torch.float32) -> nn.Module:
     """The pipeline's transformer alone (what the engine trains)."""
     family, _ = pipeline_family(path, key)
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+    import diffusers
 
-    cls = SD3Transformer2DModel if family == "sd3" else FluxTransformer2DModel
+    cls = getattr(diffusers, TRANSFORMER_CLASSES[family])
     return cls.from_pretrained(str(Path(path) / "transformer"), **_dtype_kwarg(dtype))
+
+
+#: The transformer class of each family (diffusers' names).
+TRANSFORMER_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel",
+                       "qwenimage": "QwenImageTransformer2DModel"}
 
 
 def _dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
@@ -119,14 +154,18 @@ def _dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
 
 def pixels_per_latent(path: str | Path, key: str = "actor.model.path") -> int:
     """Image pixels per latent pixel of the pipeline folder at ``path`` (1 for the tiny identity latent space; the
-    VAE's ``2 ** (len(block_out_channels) - 1)`` for a real folder), read from its config files."""
+    VAE's ``2 ** (len(block_out_channels) - 1)`` for a real folder, QwenImage's ``2 ** len(temperal_downsample)``),
+    read from its config files."""
     _, tiny = pipeline_family(path, key)
     if tiny:
         return 1
     vae = Path(path) / "vae" / "config.json"
     if not vae.is_file():
         raise ConfigError(f"{key}={path}: no vae/config.json in the pipeline folder")
-    return 2 ** (len(json.loads(vae.read_text())["block_out_channels"]) - 1)
+    cfg = json.loads(vae.read_text())
+    if "temperal_downsample" in cfg:  # AutoencoderKLQwenImage (diffusers' spelling)
+        return 2 ** len(cfg["temperal_downsample"])
+    return 2 ** (len(cfg["block_out_channels"]) - 1)
 
 
 # ---------------------------------------------------------------------------- the transformer call, per family
@@ -159,7 +198,9 @@ def transformer_velocity(transformer: nn.Module, family: str, latents: torch.Ten
     SD3 takes the timestep as ``1000 * sigma``; FLUX takes ``sigma`` itself and packed latents with
     position ids, and a guidance-distilled FLUX transformer (``guidance_embeds``, e.g. FLUX.1-dev) the value
     ``guidance`` in its guidance embedding (``trainer.flow_grpo.embedded_guidance``; diffusers' pipeline
-    calls it ``guidance_scale``). Models without the embedding ignore ``guidance``.
+    calls it ``guidance_scale``). Models without the embedding ignore ``guidance``. QwenImage takes ``sigma``,
+    FLUX's 2x2-packed latents with the image's patch grid (``img_shapes``, for its RoPE) and the text with its
+    mask (``None`` when no row is padded, as diffusers' pipeline passes it).
     """
     dtype = next(transformer.parameters()).dtype
     x = latents.to(dtype)
@@ -169,14 +210,37 @@ def transformer_velocity(transformer: nn.Module, family: str, latents: torch.Ten
                           timestep=sigma.to(dtype) * 1000, return_dict=False)[0]
         return out.float()
     b, c, h, w = latents.shape
-    img_ids, txt_ids = _flux_ids(h, w, text.shape[1], latents.device, dtype)
     config = getattr(transformer, "config", None)
     embedded = (torch.full((b,), float(guidance), device=latents.device, dtype=dtype)
                 if getattr(config, "guidance_embeds", False) else None)
+    if family == "qwenimage":
+        mask = embeds.mask
+        if mask is not None and bool(mask.bool().all()):
+            mask = None
+        out = transformer(hidden_states=_pack(x), encoder_hidden_states=text, encoder_hidden_states_mask=mask,
+                          timestep=sigma.to(dtype), img_shapes=[[(1, h // 2, w // 2)]] * b, guidance=embedded,
+                          return_dict=False)[0]
+        return _unpack(out.float(), c, h, w)
+    img_ids, txt_ids = _flux_ids(h, w, text.shape[1], latents.device, dtype)
     out = transformer(hidden_states=_pack(x), encoder_hidden_states=text, pooled_projections=pooled,
                       timestep=sigma.to(dtype), img_ids=img_ids, txt_ids=txt_ids, guidance=embedded,
                       return_dict=False)[0]
     return _unpack(out.float(), c, h, w)
+
+
+def _patch_norm(v: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of each packed 2x2 latent patch (QwenImage's token), broadcast back to ``v``'s shape."""
+    _, c, h, w = v.shape
+    packed = _pack(v)
+    norm = torch.norm(packed, dim=-1, keepdim=True).expand_as(packed)
+    return _unpack(norm.contiguous(), c, h, w)
+
+
+def guidance_norm(family: str) -> Any:
+    """What classifier-free guidance keeps the norm of, per family: QwenImage's pipeline rescales the guided
+    velocity to the conditional one's norm per token (``comb * |v_c| / |comb|`` over each packed 2x2 patch), so
+    this returns :func:`_patch_norm` for it; ``None`` (plain ``v_u + s (v_c - v_u)``) for SD3 and FLUX."""
+    return _patch_norm if family == "qwenimage" else None
 
 
 # ---------------------------------------------------------------------------- the whole model (rollout side)
@@ -216,9 +280,17 @@ class FlowModel:
             self.vae = self.pipeline.vae
             self.tokenizer = self.pipeline.tokenizer
             self.text_encoder = None
-            self.max_text_length = int(getattr(self.pipeline, "tokenizer_max_length", 77))
+            if self.family == "qwenimage":  # the pipeline's __call__ default max_sequence_length
+                self.max_text_length = QWENIMAGE_MAX_TEXT_LENGTH
+            else:
+                self.max_text_length = int(getattr(self.pipeline, "tokenizer_max_length", 77))
             self.shift = float(getattr(self.pipeline.scheduler.config, "shift", 1.0))
         self.transformer.requires_grad_(False)
+
+    @property
+    def masked_text(self) -> bool:
+        """Whether prompts have their own lengths (padded, with :attr:`TextEmbeddings.mask`): QwenImage."""
+        return self.family in MASKED_TEXT_FAMILIES
 
     # ---------------------------------------------------------------- shapes
     def move_to(self, device: Any) -> None:
@@ -235,11 +307,11 @@ class FlowModel:
         cfg = self.transformer.config
         if self.family == "sd3":
             channels, default = int(cfg.in_channels), int(cfg.sample_size)
-        else:
+        else:  # FLUX, QwenImage: 2x2 patches packed into in_channels
             channels, default = int(cfg.in_channels) // 4, 8
-        if not self.tiny:  # the pipeline's default image size (SD3: the transformer's sample_size; FLUX: 128)
+        if not self.tiny:  # the pipeline's default image size (SD3: the transformer's sample_size; FLUX, QwenImage: 128)
             default = int(getattr(self.pipeline, "default_sample_size", default))
-        factor = 1 if self.tiny else 2 ** (len(self.vae.config.block_out_channels) - 1)
+        factor = 1 if self.tiny else int(self.pipeline.vae_scale_factor)
         h = (height // factor) if height else default
         w = (width // factor) if width else default
         if h % 2 or w % 2:
@@ -249,11 +321,13 @@ class FlowModel:
 
     # ---------------------------------------------------------------- text
     def check_prompts(self, prompts: Sequence[str], key: str = "prompt") -> None:
-        """A ValueError naming the first prompt longer than the text encoder takes."""
-        if not self.tiny:
-            return  # the pipelines' encode_prompt truncates with a warning, as diffusers does
+        """A ValueError naming the first prompt longer than the text encoder takes (the tiny pipelines' encoder;
+        QwenImage's ``max_sequence_length``, 512 tokens after its template's system prefix)."""
+        if not self.tiny and self.family != "qwenimage":
+            return  # SD3 / FLUX: the pipelines' encode_prompt truncates with a warning, as diffusers does
+        count = QwenPromptLengths(self.pipeline) if self.family == "qwenimage" and not self.tiny else None
         for p in prompts:
-            n = len(self.tokenizer(p)["input_ids"])
+            n = count(p) if count is not None else len(self.tokenizer(p)["input_ids"])
             if n > self.max_text_length:
                 raise ValueError(f"{key} {p!r} is {n} tokens long; the text encoder of {self.path} takes "
                                  f"{self.max_text_length}. Shorten it")
@@ -265,12 +339,22 @@ class FlowModel:
             self.check_prompts(prompts)
             enc = self.tokenizer(list(prompts), padding="max_length", max_length=self.max_text_length,
                                  return_tensors="pt")
-            out = self.text_encoder(input_ids=enc["input_ids"].to(self.device),
-                                    attention_mask=enc["attention_mask"].to(self.device))
+            mask = enc["attention_mask"].to(self.device)
+            out = self.text_encoder(input_ids=enc["input_ids"].to(self.device), attention_mask=mask)
+            if self.masked_text:  # the prompt's own tokens, as QwenImage's text: no pooled embedding
+                hidden = out.last_hidden_state.float()
+                return TextEmbeddings(hidden, hidden.new_zeros(hidden.shape[0], 0), mask.long())
             return TextEmbeddings(out.last_hidden_state.float(), out.text_embeds.float())
         if self.family == "sd3":
             embeds, _, pooled, _ = self.pipeline.encode_prompt(list(prompts), list(prompts), list(prompts),
                                                                do_classifier_free_guidance=False, device=self.device)
+        elif self.family == "qwenimage":
+            self.check_prompts(prompts)
+            embeds, mask = self.pipeline.encode_prompt(list(prompts), device=self.device,
+                                                       max_sequence_length=self.max_text_length)
+            if mask is None:  # every prompt of the call has the same length
+                mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+            return TextEmbeddings(embeds.float(), embeds.new_zeros(embeds.shape[0], 0).float(), mask.long())
         else:
             embeds, pooled, _ = self.pipeline.encode_prompt(list(prompts), list(prompts), device=self.device)
         return TextEmbeddings(embeds.float(), pooled.float())
@@ -286,50 +370,110 @@ class FlowModel:
         """Images ``uint8 [N, 3, H, W]`` from latents (identity latent space for the tiny pipelines)."""
         if self.tiny:
             x = latents
+        elif self.family == "qwenimage":
+            x = decode_qwenimage(self.vae, latents)
         else:
             cfg = self.vae.config
             x = latents / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
             x = self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0].float()
-        return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+        return to_uint8(x)
 
     def sigma_schedule(self, num_steps: int, latent_hw: tuple[int, int]) -> torch.Tensor:
         """``num_steps + 1`` sigmas from 1 to 0 (float32, on the CPU) for latents of ``latent_hw``.
 
         A diffusers folder gets exactly its pipeline's schedule, from its own scheduler configured as the
         pipeline configures it: SD3 ``set_timesteps(num_steps)`` (uniform from ``sigma_max`` to the
-        scheduler's ``sigma_min``, then shifted), FLUX uniform from 1 to ``1/num_steps`` with the dynamic shift
-        ``mu`` of the image's token count; both then append 0. A tiny polyrl pipeline: uniform from 1 to 0,
+        scheduler's ``sigma_min``, then shifted), FLUX and QwenImage uniform from 1 to ``1/num_steps`` with the
+        dynamic shift ``mu`` of the image's token count (QwenImage's scheduler then stretches the schedule to its
+        ``shift_terminal``); all then append 0. A tiny polyrl pipeline: uniform from 1 to 0,
         then ``shift`` (:func:`polyrl_diffusion.sampler.sigma_schedule`).
         """
         if self.pipeline is None:
             from polyrl_diffusion.sampler import sigma_schedule
 
             return sigma_schedule(num_steps, self.shift)
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        import numpy as np
-
-        base = self.pipeline.scheduler
-        sched = type(base).from_config(base.config)  # a private copy: the pipeline's own keeps its state
-        cfg = sched.config
         patch = int(getattr(self.transformer.config, "patch_size", 1)) if self.family == "sd3" else 2
-        seq = (latent_hw[0] // patch) * (latent_hw[1] // patch)
-        kwargs: dict[str, Any] = {}
-        if self.family == "flux" or getattr(cfg, "use_dynamic_shifting", False):
-            lo, hi = cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096)
-            b_shift = cfg.get("base_shift", 0.5)
-            m_shift = cfg.get("max_shift", 1.15 if self.family == "flux" else 1.16)
-            kwargs["mu"] = b_shift + (m_shift - b_shift) * (seq - lo) / (hi - lo)
-        if self.family == "flux" and not getattr(cfg, "use_flow_sigmas", False):
-            kwargs["sigmas"] = np.linspace(1.0, 1 / num_steps, num_steps)
-        sched.set_timesteps(num_steps, device="cpu", **kwargs)
-        return sched.sigmas.detach().float().cpu()
+        return scheduler_sigmas(self.pipeline.scheduler, self.family, num_steps, latent_hw, patch)
+
+
+def decode_qwenimage(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """QwenImage's VAE decode of latents ``[N, C, H, W]`` to images in [-1, 1] (float32 ``[N, 3, H', W']``): a video
+    VAE given one frame, the latents un-normalised by its per-channel ``latents_mean`` / ``latents_std`` exactly as
+    diffusers' ``QwenImagePipeline`` does (dividing by ``1 / std``)."""
+    cfg = vae.config
+    shape = (1, int(cfg.z_dim), 1, 1, 1)
+    dtype = next(vae.parameters()).dtype
+    lat = latents.unsqueeze(2).to(dtype)
+    mean = torch.tensor(cfg.latents_mean).view(shape).to(lat.device, lat.dtype)
+    inv_std = 1.0 / torch.tensor(cfg.latents_std).view(shape).to(lat.device, lat.dtype)
+    return vae.decode(lat / inv_std + mean, return_dict=False)[0][:, :, 0].float()
+
+
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """Images in [-1, 1] -> ``uint8`` on the CPU (clamped, rounded)."""
+    return ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+
+
+def scheduler_sigmas(scheduler: Any, family: str, num_steps: int, latent_hw: tuple[int, int], patch: int = 2
+                     ) -> torch.Tensor:
+    """``num_steps + 1`` sigmas (float32, CPU) of a diffusers pipeline's ``scheduler`` as the ``family``'s pipeline
+    configures it for latents of ``latent_hw`` with ``patch x patch`` tokens (see :meth:`FlowModel.sigma_schedule`);
+    the scheduler itself is not changed (a copy is configured)."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    import numpy as np
+
+    sched = type(scheduler).from_config(scheduler.config)  # a private copy: the pipeline's own keeps its state
+    cfg = sched.config
+    seq = (latent_hw[0] // patch) * (latent_hw[1] // patch)
+    packed = family in ("flux", "qwenimage")  # their pipelines pass uniform sigmas and mu
+    kwargs: dict[str, Any] = {}
+    if packed or getattr(cfg, "use_dynamic_shifting", False):
+        lo, hi = cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096)
+        b_shift = cfg.get("base_shift", 0.5)
+        m_shift = cfg.get("max_shift", 1.16 if family == "sd3" else 1.15)
+        kwargs["mu"] = b_shift + (m_shift - b_shift) * (seq - lo) / (hi - lo)
+    if packed and not getattr(cfg, "use_flow_sigmas", False):
+        kwargs["sigmas"] = np.linspace(1.0, 1 / num_steps, num_steps)
+    sched.set_timesteps(num_steps, device="cpu", **kwargs)
+    return sched.sigmas.detach().float().cpu()
 
 
 def load_flow_model(path: str | Path, *, key: str = "actor.model.path", device: Any = "cpu",
                     dtype: torch.dtype = torch.float32) -> FlowModel:
     """:class:`FlowModel` of the pipeline folder at ``path`` (errors name ``key``)."""
     return FlowModel(path, key=key, device=device, dtype=dtype)
+
+
+#: QwenImage's text length limit: its pipeline's ``max_sequence_length`` default (tokens after the template's prefix).
+QWENIMAGE_MAX_TEXT_LENGTH = 512
+
+
+class QwenPromptLengths:
+    """``count(prompt)``: how many text-embedding rows QwenImage's ``encode_prompt`` makes of a prompt (its tokens in
+    the pipeline's chat template, less the template's system prefix that the pipeline drops).
+
+    Built from a loaded pipeline, or from a folder (``QwenPromptLengths.from_folder``: the tokenizer alone, no
+    weights), so the trainer checks and measures prompts before any worker starts. The template and the number of
+    dropped tokens are read from diffusers' ``QwenImagePipeline`` itself, not copied."""
+
+    def __init__(self, pipeline: Any) -> None:
+        self.tokenizer = pipeline.tokenizer
+        self.template = str(pipeline.prompt_template_encode)
+        self.drop = int(pipeline.prompt_template_encode_start_idx)
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> QwenPromptLengths:
+        """From the folder's ``tokenizer/`` (a ``QwenImagePipeline`` with no model components)."""
+        from diffusers import QwenImagePipeline
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(Path(path) / "tokenizer"))
+        return cls(QwenImagePipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=tokenizer,
+                                     transformer=None))
+
+    def __call__(self, prompt: str) -> int:
+        return len(self.tokenizer(self.template.format(prompt))["input_ids"]) - self.drop
 
 
 # ---------------------------------------------------------------------------- tiny pipelines built in code
@@ -355,15 +499,17 @@ def make_tiny_pipeline(path: str | Path, *, family: str = "sd3", sample_size: in
                        shift: float = 1.0) -> Path:
     """Write a tiny random-init pipeline folder (no download) and return its path.
 
-    ``family`` ``sd3`` (``SD3Transformer2DModel``) or ``flux`` (``FluxTransformer2DModel``); latents are
+    ``family`` ``sd3`` (``SD3Transformer2DModel``), ``flux`` (``FluxTransformer2DModel``) or ``qwenimage``
+    (``QwenImageTransformer2DModel``: its text is the CLIP encoder's hidden states of the prompt's own tokens,
+    right-padded with a mask and no pooled embedding, as QwenImage's); latents are
     ``channels x sample_size x sample_size`` pixels in [-1, 1] (identity latent space); the text encoder is a
     one-layer CLIP of width ``width`` taking ``text_length`` tokens.
     """
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+    from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
-    if family not in ("sd3", "flux"):
-        raise ValueError(f"family={family!r}: choose 'sd3' or 'flux'")
+    if family not in TRANSFORMER_CLASSES:
+        raise ValueError(f"family={family!r}: choose one of {', '.join(TRANSFORMER_CLASSES)}")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -373,6 +519,12 @@ def make_tiny_pipeline(path: str | Path, *, family: str = "sd3", sample_size: in
             sample_size=sample_size, patch_size=2, in_channels=channels, out_channels=channels, num_layers=layers,
             attention_head_dim=width // heads, num_attention_heads=heads, joint_attention_dim=width,
             caption_projection_dim=width, pooled_projection_dim=width, pos_embed_max_size=max(16, sample_size))
+    elif family == "qwenimage":
+        head_dim = width // heads
+        rope = (head_dim // 4, head_dim // 4, head_dim - 2 * (head_dim // 4))
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=channels * 4, out_channels=channels, num_layers=layers, attention_head_dim=head_dim,
+            num_attention_heads=heads, joint_attention_dim=width, axes_dims_rope=rope)
     else:
         head_dim = width // heads
         rope = (head_dim // 4 * 1, head_dim // 4 * 1, head_dim - 2 * (head_dim // 4))
@@ -447,6 +599,51 @@ def _tiny_t5_tokenizer(max_length: int) -> Any:
     return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
 
 
+def _tiny_qwen_tokenizer(template: str, max_length: int) -> Any:
+    """A real ``Qwen2Tokenizer`` (byte-level BPE, Qwen2's pre-tokenizer, its chat special tokens) over the 256 byte
+    symbols plus whole-word merges for :data:`TINY_VOCAB` and the words of QwenImage's prompt ``template``: the
+    template's system prefix is as many tokens as with the real tokenizer (what the pipeline drops), any text
+    tokenizes, nothing is downloaded.
+
+    Merge ranks: word-continuation merges first, then space + first letter, then the few words that start a line
+    (``system``, ``user``...), so each listed word becomes one token whatever its letters share with another."""
+    import re
+
+    from transformers import Qwen2Tokenizer
+
+    byte = _byte_unicode()
+
+    def encode(text: str) -> str:
+        return "".join(byte[b] for b in text.encode())
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    plain = template
+    for sp in specials:
+        plain = plain.replace(sp, "\n")
+    line_words = sorted(set(re.findall(r"(?m)^([A-Za-z]+)", plain)))
+    words = sorted(set(TINY_VOCAB) | set(re.findall(r"[A-Za-z]+", plain)))
+    vocab: dict[str, int] = {}
+    for ch in byte.values():
+        vocab.setdefault(ch, len(vocab))
+    starts: list[tuple[str, str]] = []
+    continuations: list[tuple[str, str]] = []
+    for form in [encode(w) for w in line_words] + [encode(" " + w) for w in words]:
+        cur = form[0]
+        for k, ch in enumerate(form[1:]):
+            merged = cur + ch
+            if merged not in vocab:
+                (starts if k == 0 else continuations).append((cur, ch))
+                vocab[merged] = len(vocab)
+            cur = merged
+    space = encode(" ")
+    merges = continuations + [m for m in starts if m[0] == space] + [m for m in starts if m[0] != space]
+    for sp in specials:
+        vocab[sp] = len(vocab)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+    tok.add_special_tokens({"additional_special_tokens": specials[1:]})
+    return tok
+
+
 def make_tiny_diffusers_pipeline(path: str | Path, *, family: str = "sd3", sample_size: int = 8, seed: int = 0,
                                  text_length: int = 16, guidance_embeds: bool = False) -> Path:
     """Write a tiny random-init **real-format** diffusers pipeline folder (no download) and return its path.
@@ -455,12 +652,18 @@ def make_tiny_diffusers_pipeline(path: str | Path, *, family: str = "sd3", sampl
     ``CLIPTextModelWithProjection`` + a ``T5EncoderModel`` with their tokenizers, an ``AutoencoderKL`` with
     SD3's scaling/shift factors, ``FlowMatchEulerDiscreteScheduler`` with shift 3). ``family="flux"``: a
     ``FluxPipeline`` (``FluxTransformer2DModel``, ``CLIPTextModel`` + ``T5EncoderModel``, ``AutoencoderKL``,
-    the scheduler with dynamic shifting). The folder loads with ``DiffusionPipeline.from_pretrained`` and is
-    what a real checkpoint looks like, at a few MB: for tests of code that reads real folders. Latents are
-    ``sample_size x sample_size`` (images twice that: the VAE downsamples by 2); the CLIP encoders take
-    ``text_length`` tokens (T5 takes the pipelines' default lengths). ``guidance_embeds``: a FLUX transformer
-    with a guidance embedding, as guidance-distilled checkpoints (FLUX.1-dev) have. Needs transformers 5
-    (tokenizers built from a vocabulary in memory).
+    the scheduler with dynamic shifting). ``family="qwenimage"``: a ``QwenImagePipeline``
+    (``QwenImageTransformer2DModel``; a ``Qwen2_5_VLForConditionalGeneration`` text encoder with a one-layer vision
+    tower it never uses, and a byte-level BPE ``Qwen2Tokenizer`` whose chat-template prefix is 34 tokens as the
+    real one's; an ``AutoencoderKLQwenImage`` with per-channel latent means / stds; the scheduler configured as
+    Qwen-Image's: dynamic exponential shift, ``shift_terminal`` 0.02, its sequence lengths scaled to tiny images).
+    The folder loads with ``DiffusionPipeline.from_pretrained`` and is what a real checkpoint looks like, at a
+    few MB: for tests of code that reads real folders. Latents are ``sample_size x sample_size`` (images twice
+    that: the VAE downsamples by 2; QwenImage's default size is its pipeline's, 128 latents: give the image size
+    in the run, e.g. ``trainer.flow_grpo.height=16``); the CLIP encoders take ``text_length`` tokens (T5 takes the pipelines'
+    default lengths). ``guidance_embeds``: a FLUX / QwenImage transformer with a guidance embedding, as
+    guidance-distilled checkpoints (FLUX.1-dev) have. Needs transformers 5 (tokenizers built from a vocabulary in
+    memory).
     """
     import transformers
     from diffusers import (
@@ -477,10 +680,13 @@ def make_tiny_diffusers_pipeline(path: str | Path, *, family: str = "sd3", sampl
         raise RuntimeError(f"make_tiny_diffusers_pipeline needs transformers>=5 (its tokenizers are built from an "
                            f"in-memory vocabulary); this environment has {transformers.__version__}: "
                            "pip install -U 'transformers>=5'")
-    if family not in ("sd3", "flux"):
-        raise ValueError(f"family={family!r}: choose 'sd3' or 'flux'")
+    if family not in ("sd3", "flux", "qwenimage"):
+        raise ValueError(f"family={family!r}: choose 'sd3', 'flux' or 'qwenimage'")
     out = Path(path)
     torch.manual_seed(seed)
+    if family == "qwenimage":
+        _tiny_qwenimage(guidance_embeds).save_pretrained(str(out))  # image size: the pipeline's 128 latents
+        return out
     clip_width, t5_width, latent_channels = 16, 32, 4
     clip_tok = _tiny_clip_tokenizer(text_length)
     t5_tok = _tiny_t5_tokenizer(512)
@@ -521,3 +727,42 @@ def make_tiny_diffusers_pipeline(path: str | Path, *, family: str = "sd3", sampl
             clip_config()), tokenizer=clip_tok, text_encoder_2=t5, tokenizer_2=t5_tok)
     pipe.save_pretrained(str(out))
     return out
+
+
+def _tiny_qwenimage(guidance_embeds: bool) -> Any:
+    """The components of :func:`make_tiny_diffusers_pipeline`'s ``qwenimage`` family, as a ``QwenImagePipeline``."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    blank = QwenImagePipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None)
+    tokenizer = _tiny_qwen_tokenizer(blank.prompt_template_encode,
+                                     blank.tokenizer_max_length + blank.prompt_template_encode_start_idx)
+    width, z_dim, unused = 32, 4, len(tokenizer) - 1  # the vision tokens never occur: no image reaches the encoder
+    text_config = {"vocab_size": len(tokenizer), "hidden_size": width, "intermediate_size": 2 * width,
+                   "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                   "max_position_embeddings": 2048, "bos_token_id": None, "pad_token_id": tokenizer.pad_token_id,
+                   "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+    vision_config = {"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": width,
+                     "fullatt_block_indexes": [0], "patch_size": 2, "spatial_merge_size": 1, "temporal_patch_size": 1,
+                     "window_size": 4}
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=text_config, vision_config=vision_config, image_token_id=unused, video_token_id=unused,
+        vision_start_token_id=unused, vision_end_token_id=unused))
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=z_dim, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
+                                 latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 2.0])
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=4 * z_dim, out_channels=z_dim, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=width, guidance_embeds=guidance_embeds, axes_dims_rope=(4, 6, 6))
+    # Qwen-Image's scheduler (exponential dynamic shift, max_shift 0.9, shift_terminal 0.02), its sequence
+    # lengths scaled from 256..8192 tokens to tiny images so that mu still moves with the image size
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=4, max_image_seq_len=128, shift_terminal=0.02, time_shift_type="exponential")
+    return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                             transformer=transformer)

@@ -28,7 +28,8 @@ from typing import Any
 #: the engine's weight copy that holds DiffusionNFT's old policy (samples and gives ``v_old``)
 OLD_POLICY = "old"
 #: batch fields of the rollout the NFT update keeps (text conditioning); CFG's negative branch is dropped
-CONDITIONING = ("prompt_embeds", "pooled_prompt_embeds", "text_ids", "prompt_attention_mask", "embedded_guidance")
+CONDITIONING = ("prompt_embeds", "pooled_prompt_embeds", "prompt_embeds_mask", "text_ids", "prompt_attention_mask",
+                "embedded_guidance")
 
 
 @dataclass

@@ -16,7 +16,9 @@ batching settings give the same images. Only a request without a seed draws a fr
 
 Text embeddings are computed once per distinct prompt of a call and kept in an LRU
 (``rollout.diffusers.text_cache_size``): the text encoder is frozen (the engine trains the transformer and
-:meth:`DiffusersRollout.update_weights` takes transformer weights only), so an entry never goes stale.
+:meth:`DiffusersRollout.update_weights` takes transformer weights only), so an entry never goes stale. A model
+whose prompts have their own lengths (QwenImage) keeps each prompt's rows unpadded and pads a batch's to
+``rollout.diffusers.text_length`` (or its longest) with a mask (``prompt_embeds_mask``).
 """
 
 from __future__ import annotations
@@ -33,14 +35,14 @@ import torch
 
 from polyrl.protocols import GenerationRequest, GenerationResult, RolloutCapabilities
 from polyrl_diffusion.config import DiffusersRolloutConfig, FlowGRPOConfig
-from polyrl_diffusion.models import FlowModel, TextEmbeddings, load_flow_model
+from polyrl_diffusion.models import FlowModel, TextEmbeddings, guidance_norm, load_flow_model, pad_text
 from polyrl_diffusion.sampler import group_seed, guided, plan_steps, sample_trajectory
 
 logger = logging.getLogger(__name__)
 
 
 def _concat(a: TextEmbeddings, b: TextEmbeddings) -> TextEmbeddings:
-    return TextEmbeddings(torch.cat([a.prompt_embeds, b.prompt_embeds]), torch.cat([a.pooled, b.pooled]))
+    return pad_text([a, b])
 
 
 def _rank() -> int:
@@ -96,6 +98,7 @@ class DiffusersRollout:
         self._params = dict(self.model.transformer.named_parameters())
         self._text_cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._text_lock = threading.Lock()
+        self._keep_norm = guidance_norm(self.model.family)
 
     # ------------------------------------------------------------------ text
     def embed(self, prompts: Sequence[str]) -> TextEmbeddings:
@@ -104,7 +107,9 @@ class DiffusersRollout:
         Each distinct string is encoded once per call (the new ones in one text-encoder call) and kept in an
         LRU of ``text_cache_size`` entries; a GRPO batch repeats each prompt ``n`` times. The rows are exactly
         :meth:`FlowModel.encode` of the distinct prompts (on CPU, GEMM kernels of fewer than 4 rows may round
-        the pooled embedding differently from a larger batch, by about 1e-7).
+        the pooled embedding differently from a larger batch, by about 1e-7). A model whose prompts have their own
+        lengths (QwenImage) keeps each prompt's rows unpadded; the result is padded to
+        ``rollout.diffusers.text_length`` (or the longest row) with a mask.
         """
         unique = list(dict.fromkeys(str(p) for p in prompts))
         found: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -118,18 +123,32 @@ class DiffusersRollout:
         if missing:
             enc = self.model.encode(missing)
             size = max(0, int(self.options.text_cache_size))
+            lengths = enc.mask.sum(-1).tolist() if enc.mask is not None else [enc.prompt_embeds.shape[1]] * len(missing)
             with self._text_lock:
                 for j, p in enumerate(missing):
+                    rows = enc.prompt_embeds[j, : int(lengths[j])]  # a masked family's prompt, unpadded
                     # a copy per entry: a view would keep the whole encoder batch alive after eviction
-                    found[p] = (enc.prompt_embeds[j].clone(), enc.pooled[j].clone()) if size else (
-                        enc.prompt_embeds[j], enc.pooled[j])
+                    found[p] = (rows.clone(), enc.pooled[j].clone()) if size else (rows, enc.pooled[j])
                     if size:
                         self._text_cache[p] = found[p]
                         self._text_cache.move_to_end(p)
                 while len(self._text_cache) > size:
                     self._text_cache.popitem(last=False)
-        return TextEmbeddings(torch.stack([found[str(p)][0] for p in prompts]),
-                              torch.stack([found[str(p)][1] for p in prompts]))
+        if not self.model.masked_text:
+            return TextEmbeddings(torch.stack([found[str(p)][0] for p in prompts]),
+                                  torch.stack([found[str(p)][1] for p in prompts]))
+        length = int(self.options.text_length)
+        for p in unique:
+            if length and found[p][0].shape[0] > length:
+                raise ValueError(f"prompt {p!r} is {found[p][0].shape[0]} text tokens long, more than "
+                                 f"rollout.diffusers.text_length={length}: raise it (0: the trainer sets it from the "
+                                 "data's longest prompt)")
+        rows = []
+        for p in prompts:
+            embeds, pooled = found[str(p)]
+            ones = torch.ones(1, embeds.shape[0], dtype=torch.long, device=embeds.device)
+            rows.append(TextEmbeddings(embeds[None], pooled[None], ones))
+        return pad_text(rows, length)
 
     @property
     def cached_prompts(self) -> int:
@@ -206,7 +225,7 @@ class DiffusersRollout:
 
         def velocity(lat: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             return guided(lambda xx, ss, emb: self.model.velocity(xx, ss, emb, embedded), lat, sigma, cond, uncond,
-                          scale, _concat)
+                          scale, _concat, self._keep_norm)
 
         step_gen = torch.Generator(device=self.device).manual_seed(group_seed(base, f"steps:{rank}:{first}"))
         traj = sample_trajectory(velocity, x, sigmas, plan, trained, generator=step_gen)
@@ -217,6 +236,8 @@ class DiffusersRollout:
             embeds, pooled = cond.prompt_embeds.cpu(), cond.pooled.cpu()
             neg_embeds = uncond.prompt_embeds.cpu() if with_neg and uncond is not None else None
             neg_pooled = uncond.pooled.cpu() if with_neg and uncond is not None else None
+            mask = cond.mask.cpu() if cond.mask is not None else None
+            neg_mask = uncond.mask.cpu() if with_neg and uncond is not None and uncond.mask is not None else None
             ones = torch.ones(traj.log_probs.shape[1], dtype=torch.long)
             schedule = sigmas.float().cpu()  # the whole training schedule (DiffusionNFT trains on its times)
         out = []
@@ -240,6 +261,10 @@ class DiffusersRollout:
                 if neg_embeds is not None and neg_pooled is not None:
                     extra["negative_prompt_embeds"] = neg_embeds[i]
                     extra["negative_pooled_prompt_embeds"] = neg_pooled[i]
+                if mask is not None:  # QwenImage: the text's own length
+                    extra["prompt_embeds_mask"] = mask[i]
+                if neg_mask is not None:
+                    extra["negative_prompt_embeds_mask"] = neg_mask[i]
             out.append(GenerationResult(prompt_ids=[], response_ids=[], log_probs=[], finish_reason="stop",
                                         request_id=req.request_id, sample_index=k, extra=extra))
         return out

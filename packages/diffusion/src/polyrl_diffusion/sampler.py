@@ -414,14 +414,21 @@ class Trajectory:
 
 
 def guided(velocity_fn: Any, x: torch.Tensor, sigma: torch.Tensor, cond: Any, uncond: Any, scale: float,
-           concat: Any) -> torch.Tensor:
+           concat: Any, keep_norm: Any = None) -> torch.Tensor:
     """Classifier-free guidance ``v_u + scale (v_c - v_u)``: one call on ``[x; x]`` with both conditionings
-    (``concat(cond, uncond)`` stacks them); ``scale == 1`` or ``uncond is None``: ``velocity_fn(x, sigma, cond)``."""
+    (``concat(cond, uncond)`` stacks them); ``scale == 1`` or ``uncond is None``: ``velocity_fn(x, sigma, cond)``.
+
+    ``keep_norm(v)`` (QwenImage's pipeline: the norm of each packed latent patch, broadcast to ``v``'s shape)
+    rescales the guided velocity to the conditional velocity's norm: ``comb * keep_norm(v_c) / keep_norm(comb)``.
+    """
     if uncond is None or scale == 1.0:
         return velocity_fn(x, sigma, cond)
     v = velocity_fn(torch.cat([x, x]), torch.cat([sigma, sigma]), concat(cond, uncond))
     v_c, v_u = v.chunk(2)
-    return v_u + scale * (v_c - v_u)
+    comb = v_u + scale * (v_c - v_u)
+    if keep_norm is not None:
+        comb = comb * (keep_norm(v_c) / keep_norm(comb))
+    return comb
 
 
 @torch.no_grad()

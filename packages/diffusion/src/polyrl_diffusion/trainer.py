@@ -25,6 +25,9 @@ from polyrl_diffusion.worker import FlowGRPOWorker
 
 log = logging.getLogger("polyrl")
 
+#: The rollouts the flow_grpo trainer samples with (polyrl's diffusers sampler; docs/diffusion.md, "Rollouts").
+ROLLOUTS = ("diffusers",)
+
 
 class FlowGRPOTrainer(PPOTrainer):
     """Flow-GRPO (and Flow-GRPO-Fast, MixGRPO, DanceGRPO through ``trainer.flow_grpo``) on the PPO loop."""
@@ -48,8 +51,9 @@ class FlowGRPOTrainer(PPOTrainer):
             check_nft_config(fg.nft)
         if config.actor.engine != "diffusers":
             raise ConfigError(f"trainer.name=flow_grpo trains with actor.engine=diffusers, not {config.actor.engine!r}")
-        if config.rollout.name != "diffusers":
-            raise ConfigError(f"trainer.name=flow_grpo samples with rollout.name=diffusers, not {config.rollout.name!r}")
+        if config.rollout.name not in ROLLOUTS:
+            raise ConfigError(f"trainer.name=flow_grpo samples with rollout.name={' or '.join(ROLLOUTS)}, not "
+                              f"{config.rollout.name!r}")
         if config.algorithm.adv_estimator == "gae":
             raise ConfigError("algorithm.adv_estimator=gae needs a critic; flow_grpo has none: use flow_grpo or grpo")
         from polyrl_diffusion.models import pipeline_family
@@ -59,7 +63,8 @@ class FlowGRPOTrainer(PPOTrainer):
         rollout_opts = config.rollout.plugin_config
         if not isinstance(rollout_opts, DiffusersRolloutConfig):
             rollout_opts = DiffusersRolloutConfig()
-        check_numbers(rollout_opts, "rollout.diffusers", skip=("sampler",))
+        check_numbers(rollout_opts, f"rollout.{config.rollout.name}", skip=("sampler",))
+        self.rollout_opts = rollout_opts
         engine_opts = config.actor.plugin_config
         if engine_opts is not None and getattr(engine_opts, "fsdp_size", -1) not in (-1,) and engine_opts.fsdp_size < 1:
             raise ConfigError(f"actor.diffusers.fsdp_size={engine_opts.fsdp_size}: give -1 (every rank) or a divisor "
@@ -97,6 +102,10 @@ class FlowGRPOTrainer(PPOTrainer):
         return PreTrainedTokenizerFast.from_pretrained(f"{self.config.actor.model.path}/tokenizer")
 
     def _max_text_length(self) -> int | None:
+        if self.family == "qwenimage" and not self.tiny:
+            from polyrl_diffusion.models import QWENIMAGE_MAX_TEXT_LENGTH
+
+            return QWENIMAGE_MAX_TEXT_LENGTH
         if not self.tiny:
             return None
         import json
@@ -108,12 +117,15 @@ class FlowGRPOTrainer(PPOTrainer):
     def build_datasets(self) -> tuple[Any, Any]:
         """Rows of ``data.train_files`` / ``data.val_files`` (verl's format; ``prompt`` as text or chat, optional
         ``negative_prompt``), checked: a prompt longer than the text encoder takes, or CFG on a FLUX model
-        without a negative prompt, is a ConfigError naming the file and row."""
+        without a negative prompt, is a ConfigError naming the file and row. QwenImage: the longest prompt (in text
+        tokens after its template's prefix) becomes ``rollout.<name>.text_length`` unless the run sets it."""
         from polyrl.data.dataset import load_rows, validate_row
         from polyrl_diffusion.agent_loop import prompt_text
 
         data = self.config.data
         limit = self._max_text_length()
+        count = self._text_token_count()
+        longest = [count(self.flow.negative_prompt) if count is not None else 0]  # QwenImage's text tokens
 
         def load(files: Any) -> list[dict]:
             rows: list[dict] = []
@@ -122,8 +134,10 @@ class FlowGRPOTrainer(PPOTrainer):
                     validate_row(row, str(f), i)
                     for key in ("prompt", "negative_prompt"):
                         text = prompt_text(row.get(key)) if row.get(key) is not None else None
+                        if count is not None and text is not None:  # QwenImage: "" is a prompt too
+                            longest[0] = max(longest[0], count(text))
                         if text and limit is not None:
-                            n = len(self.tokenizer(text)["input_ids"])
+                            n = count(text) if count is not None else len(self.tokenizer(text)["input_ids"])
                             if n > limit:
                                 raise ConfigError(f"{f} row {i}: '{key}' is {n} tokens; the text encoder of "
                                                   f"actor.model.path={self.config.actor.model.path} takes {limit}. "
@@ -137,10 +151,25 @@ class FlowGRPOTrainer(PPOTrainer):
             return rows
 
         if self.flow.negative_prompt and limit is not None:
-            n = len(self.tokenizer(self.flow.negative_prompt)["input_ids"])
+            n = (count(self.flow.negative_prompt) if count is not None
+                 else len(self.tokenizer(self.flow.negative_prompt)["input_ids"]))
             if n > limit:
                 raise ConfigError(f"trainer.flow_grpo.negative_prompt is {n} tokens; the text encoder takes {limit}")
-        return load(data.train_files), (load(data.val_files) if data.val_files else None)
+        train_rows, val_rows = load(data.train_files), (load(data.val_files) if data.val_files else None)
+        if count is not None and not self.rollout_opts.text_length:
+            self.rollout_opts.text_length = longest[0]  # workers start after this: every rank pads to it
+        return train_rows, val_rows
+
+    def _text_token_count(self) -> Any:
+        """QwenImage: :class:`~polyrl_diffusion.models.QwenPromptLengths` of the model folder (its tokenizer alone;
+        a tiny pipeline's: its tokens); ``None`` for the other families (fixed-length text)."""
+        if self.family != "qwenimage":
+            return None
+        if self.tiny:
+            return lambda text: len(self.tokenizer(text)["input_ids"])
+        from polyrl_diffusion.models import QwenPromptLengths
+
+        return QwenPromptLengths.from_folder(self.config.actor.model.path)
 
     def build_reward_fn(self) -> Any:
         """The reward manager for images: ``reward.manager`` when set to something else than the text default

@@ -9,10 +9,15 @@ from tensordict import TensorDict
 
 from polyrl.trainer.role_worker import Worker
 
+#: Text fields whose rows may differ in length (QwenImage's prompts; right-padded, the masks with 0).
+PADDED_TEXT_FIELDS = ("prompt_embeds", "prompt_embeds_mask", "negative_prompt_embeds", "negative_prompt_embeds_mask")
+
 
 def collate_images(outputs: list[Any]) -> TensorDict:
     """A batch from diffusion trajectories: every tensor / number extra stacked as a ``[B, ...]`` field,
-    strings as non-tensor fields (field list: docs/diffusion.md, "Batch fields")."""
+    strings as non-tensor fields (field list: docs/diffusion.md, "Batch fields"). Text fields of different
+    lengths (:data:`PADDED_TEXT_FIELDS`: QwenImage rows generated in different calls) are right-padded with zeros
+    to the longest."""
     from polyrl.batch import set_non_tensor
 
     b = len(outputs)
@@ -21,6 +26,12 @@ def collate_images(outputs: list[Any]) -> TensorDict:
     for key in keys:
         values = [o.extra.get(key) for o in outputs]
         first = values[0]
+        if key in PADDED_TEXT_FIELDS and all(isinstance(v, torch.Tensor) for v in values):
+            longest = max(v.shape[0] for v in values)
+            if any(v.shape[0] != longest for v in values):
+                values = [torch.nn.functional.pad(v, (0, 0) * (v.dim() - 1) + (0, longest - v.shape[0]))
+                          for v in values]
+                first = values[0]
         if isinstance(first, torch.Tensor) and all(isinstance(v, torch.Tensor) and v.shape == first.shape for v in values):
             rows = _consecutive_rows(values)
             batch[key] = rows if rows is not None else torch.stack(values)
