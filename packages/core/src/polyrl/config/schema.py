@@ -36,6 +36,12 @@ class DataConfig:
     seed: int = 1
     #: Use at most this many validation prompts (0: all).
     val_max_samples: int = 0
+    #: The column of a row's images (verl's ``images``: paths, bytes or PIL images; one ``<image>`` in the
+    #: prompt per image), for vision-language models (docs/vlm.md).
+    image_key: str = "images"
+    #: A row whose images cannot be used (missing file, not an image, placeholders and images that do not
+    #: match): ``error`` (refuse the run, naming the file, row and image) or ``skip`` (drop it and count it).
+    on_bad_row: str = "error"
 
 
 @dataclass
