@@ -248,3 +248,19 @@ def test_sft_rows_with_images(processor, tmp_path):
     assert mm[0]["image_grid_thw"].tolist() == [[1, 6, 4]] and mm[1] is None
     with pytest.raises(DataError, match="row 0 has images"):
         sft_examples(rows, processor.tokenizer, "response", 64, 8, source=str(data))
+
+
+def test_chat_template_kwargs_reach_image_rows(processor, tmp_path):
+    """``data.apply_chat_template_kwargs`` renders image rows too (the processor's template), not only text rows."""
+    from polyrl.models.tiny_vlm import VL_CHAT_TEMPLATE
+
+    processor.chat_template = VL_CHAT_TEMPLATE.replace(
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+        "{% if add_generation_prompt %}<|assistant|>{% if prefix %}{{ prefix }}{% endif %}{% endif %}")
+    _png(tmp_path / "a.png")
+    data = _write(tmp_path / "d.jsonl", [_row("what colour? <image>", ["a.png"])])
+    plain = RLDataset([data], processor.tokenizer, max_prompt_length=256, processor=processor)[0]["prompt_ids"]
+    ds = RLDataset([data], processor.tokenizer, max_prompt_length=256, processor=processor,
+                   chat_template_kwargs={"prefix": "Answer:"})
+    suffix = processor.tokenizer.encode("Answer:", add_special_tokens=False)
+    assert ds[0]["prompt_ids"] == plain + suffix

@@ -433,9 +433,11 @@ def row_images(row: Mapping[str, Any], image_key: str = "images") -> list[Any]:
 
 
 def encode_image_prompt(prompt: Any, images: Sequence[Any], processor: Any, *,
-                        base_dir: Path | None = None) -> tuple[list[int], list[Any], int]:
+                        base_dir: Path | None = None,
+                        chat_template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], list[Any], int]:
     """``(prompt_ids, images, downscaled)`` for a prompt with images: the ids the processor makes from the prompt
-    rendered with its chat template (one vision token per merged patch), the images with relative paths
+    rendered with its chat template (with ``chat_template_kwargs``, ``data.apply_chat_template_kwargs``; one
+    vision token per merged patch), the images with relative paths
     resolved (:func:`resolve_image`), and how many images were larger than the processor keeps (it resizes
     them down). Raises ``ValueError`` naming the image (its index and source) and why it cannot be used."""
     resolved = [resolve_image(spec, base_dir) for spec in images]
@@ -448,7 +450,8 @@ def encode_image_prompt(prompt: Any, images: Sequence[Any], processor: Any, *,
             raise ValueError(f"image {j} ({image_source(spec)}): {exc}") from None
     limit = max_image_pixels(processor)
     downscaled = sum(1 for img in decoded if limit and img.width * img.height > limit)
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **(chat_template_kwargs or {}))
     try:
         encoded = processor(text=[text], images=decoded)
     except ValueError as exc:  # e.g. an aspect ratio over the processor's limit (Qwen-VL: 200)
