@@ -81,3 +81,20 @@ def test_hf_param_shapes_follow_the_config():
     tied = hf_param_shapes(cfg("qwen2", tie_word_embeddings=True), value_head=True)
     assert "lm_head.weight" not in tied and tied["score.weight"] == (1, 64) and tied["score.bias"] == (1,)
     assert "model.layers.0.self_attn.q_proj.bias" in tied
+
+
+def test_a_vision_language_model_is_refused_with_the_engine_to_use(tmp_path):
+    """Before any worker starts (the trainer asks the factory for the data-parallel size): a clear error naming
+    the key, the model family and the engine that trains it."""
+    from polyrl_engine_megatron.engine import MegatronEngine
+
+    from polyrl.config.roles import EngineRoleConfig, ModelConfig
+    from polyrl.models.tiny_vlm import build_vl_tokenizer, tiny_vlm_config
+
+    tiny_vlm_dir = tmp_path / "vlm"
+    tiny_vlm_config(tokenizer=build_vl_tokenizer()).save_pretrained(tiny_vlm_dir)  # the config is all it reads
+    role = EngineRoleConfig(engine="megatron", model=ModelConfig(path=str(tiny_vlm_dir)))
+    with pytest.raises(ConfigError) as e:
+        MegatronEngine.data_parallel_size(role, 1, role="actor")
+    assert f"actor.model.path={tiny_vlm_dir} is a vision-language model (qwen2_vl)" in str(e.value)
+    assert "actor.engine=fsdp" in str(e.value)

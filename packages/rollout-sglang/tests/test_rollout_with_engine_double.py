@@ -34,9 +34,11 @@ class RecordingEngineDouble:
         self.threads.add(threading.get_ident())
         assert asyncio.get_event_loop() is self.loop  # the rollout's thread adopted the engine's loop
 
-    def generate(self, input_ids, sampling_params, return_logprob=False, lora_path=None):
+    def generate(self, input_ids, sampling_params, return_logprob=False, lora_path=None, image_data=None):
         self._record("generate", len(input_ids), *([lora_path[0]] if lora_path else []))
         assert lora_path is None or len(lora_path) == len(input_ids)
+        assert image_data is None or len(image_data) == len(input_ids)
+        self.image_data = image_data
         outs = []
         for ids, sp in zip(input_ids, sampling_params):
             toks = [ids[-1]] * min(2, sp["max_new_tokens"])
@@ -213,3 +215,14 @@ def test_lora_adapter_sync_loads_a_new_adapter_and_drops_the_old(tiny_model_dir,
                                       ("flush",), ("generate", 1, "polyrl-adapter-v2")]
     finally:
         r.shutdown()
+
+
+def test_images_reach_the_engine_beside_the_expanded_ids(rollout):
+    """A vision-language request's images go to SGLang as ``image_data`` for each of its samples, next to ids
+    that already hold the image tokens; a text-only batch sends none."""
+    picture = object()  # a PIL image in a real run
+    rollout.generate([GenerationRequest([3, 9, 9, 4], SamplingParams(n=2), multi_modal={"image": [picture]}),
+                      GenerationRequest([5])])
+    assert rollout.engine.image_data == [[picture], [picture], None]
+    rollout.generate([GenerationRequest([5])])
+    assert rollout.engine.image_data is None

@@ -102,3 +102,16 @@ def test_memory_tags_per_sleep_level():
     assert memory_tags(2) is None
     with pytest.raises(ValueError, match="sleep level 3"):
         memory_tags(3)
+
+
+def test_images_travel_as_image_data_one_list_per_input():
+    """A vision-language request's images (``multi_modal["image"]``) go to every one of its samples; text requests
+    get ``None``; a batch without images sends no ``image_data`` at all (the text call is unchanged)."""
+    from polyrl_rollout_sglang.requests import image_data_argument
+
+    red, blue = object(), object()  # PIL images in a real run; the translation only passes them on
+    reqs = [GenerationRequest([1, 2], SamplingParams(n=2), multi_modal={"image": [red, blue], "key": "k"}),
+            GenerationRequest([4], SamplingParams(n=1))]
+    inputs = engine_inputs(reqs)
+    assert image_data_argument(inputs) == {"image_data": [[red, blue], [red, blue], None]}
+    assert image_data_argument(engine_inputs([GenerationRequest([4], SamplingParams(n=2))])) == {}

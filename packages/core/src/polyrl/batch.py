@@ -50,8 +50,19 @@ def non_tensor(td: TensorDict, key: str, default: Any = ...) -> list[Any]:
 
 
 def tensor_fields(td: TensorDict) -> TensorDict:
-    """Only the tensor fields (what crosses to an engine)."""
+    """Only the tensor fields."""
     return td.select(*[k for k in td.keys() if isinstance(td.get(k), torch.Tensor)])
+
+
+#: Non-tensor fields an engine's forward pass reads (per-row model inputs of different sizes: a vision-language
+#: model's images, :data:`polyrl.data.multimodal.MULTI_MODAL_INPUTS`).
+ENGINE_NON_TENSOR_FIELDS = ("multi_modal_inputs",)
+
+
+def engine_fields(td: TensorDict) -> TensorDict:
+    """What crosses to an engine: the tensor fields plus :data:`ENGINE_NON_TENSOR_FIELDS` where present."""
+    keys = [k for k in td.keys() if isinstance(td.get(k), torch.Tensor) or k in ENGINE_NON_TENSOR_FIELDS]
+    return td.select(*keys)
 
 
 def concat(batches: Sequence[TensorDict]) -> TensorDict:

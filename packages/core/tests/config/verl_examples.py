@@ -358,7 +358,7 @@ EXAMPLES: dict[str, Example] = {
     "grpo_trainer/run_qwen2_5_vl-7b_freeze_vision.sh": Example(grpo(
         "Qwen/Qwen2.5-VL-7B-Instruct", bs=512, pl=1024, rl=2048, mini=128, micro=10, lpm=20, rlpm=20, tp=2, n=5,
         gpus=8, kl_coef=0.01, files=GEO3K, extra=(*_VL[1:], f"{ARR}.actor.freeze_vision_tower=True")),
-        refused=f"{ARR}.actor.freeze_vision_tower"),
+        expect={"model.freeze_vision_tower": True}),
     "grpo_trainer/run_qwen2_5_vl-7b_lora.sh": Example(grpo(
         "Qwen/Qwen2.5-VL-7B-Instruct", bs=512, pl=1024, rl=2048, mini=128, micro=10, lpm=20, rlpm=20, tp=2, n=5,
         gpus=8, kl_coef=0.01, lr="3e-6", files=GEO3K, extra=(

@@ -23,7 +23,7 @@ import logging
 import math
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from polyrl.models.paths import check_model_path
 from polyrl.protocols import ForwardProducts, LossScale
 from polyrl.trainer.roles import INFERENCE_ROLES
 from polyrl_engine_fsdp.config import FSDPConfig, check_choice, torch_dtype
+from polyrl_engine_fsdp.multimodal import embed_with_images
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class _Head(nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, index, targets, temperature: float = 1.0,
                 compute_entropy: bool = False, prompt_ids=None, prompt_mask=None, prompt_positions=None,
                 prompt_of_row=None, products: ForwardProducts | None = None,
-                gather=None) -> dict[str, torch.Tensor]:
+                gather=None, images=None, image_mask=None) -> dict[str, torch.Tensor]:
         """Flat ``log_probs`` (and ``entropy``) or ``values`` of the tokens ``index`` selects, and the
         :class:`~polyrl.protocols.ForwardProducts` asked for (``gather``: ``[N, k]`` ids for ``gather_ids``).
 
@@ -83,17 +84,27 @@ class _Head(nn.Module):
         is copied to the rows (``prompt_of_row``, ``[B]``) and ``input_ids`` ``[B, R]`` are the responses
         alone, attending to it; ``index`` then points into ``[B, R]``: the last prompt position followed by
         the first ``R - 1`` response positions, the states that predict response tokens ``0 .. R-1``.
+
+        A vision-language model takes ``images`` (``pixel_values``, ``image_grid_thw``) and ``image_mask``, the
+        image tokens of the ids they belong to (``prompt_ids`` in the shared-prompt form, else ``input_ids``):
+        their embeddings are the vision tower's features (:func:`polyrl_engine_fsdp.multimodal.embed_with_images`);
+        images without a mask are a blank run that adds nothing (a sharded rank without images keeps FSDP's
+        gathers in step).
         """
         backbone, head = self._parts()
         if prompt_ids is None:
-            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).last_hidden_state
+            text = {"input_ids": input_ids} if images is None else {
+                "inputs_embeds": embed_with_images(backbone, input_ids, images, image_mask)}
+            hidden = backbone(attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                              **text).last_hidden_state
         else:
             from transformers import DynamicCache
 
             cache = DynamicCache(config=backbone.config)
-            prefix = backbone(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions,
-                              past_key_values=cache, use_cache=True)
+            text = {"input_ids": prompt_ids} if images is None else {
+                "inputs_embeds": embed_with_images(backbone, prompt_ids, images, image_mask)}
+            prefix = backbone(attention_mask=prompt_mask, position_ids=prompt_positions,
+                              past_key_values=cache, use_cache=True, **text)
             cache = prefix.past_key_values
             cache.reorder_cache(prompt_of_row)  # index_select: gradients of every row flow back to its prompt
             rest = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -200,6 +211,9 @@ class FSDPEngine:
         # HF models drop the KV cache under gradient checkpointing, which the shared-prompt forward needs
         self._shared_prompt = (self.fsdp.shared_prompt and not config.use_remove_padding
                                and not config.model.gradient_checkpointing)
+        #: A vision-language model's ``vision_config`` (set by :meth:`load_model`; ``None``: text only).
+        self.vision: Any = None
+        self._vision_trained = False
         self._build_model()
         self.optimizer = self.scheduler = None
         if role not in INFERENCE_ROLES:  # ref, reward_model, teacher only infer
@@ -251,6 +265,9 @@ class FSDPEngine:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=mcfg.trust_remote_code, **mcfg.override_config)
         archs = getattr(hf_config, "architectures", None) or []
         suffixes = ("ForCausalLM", "LMHeadModel") + (("ForTokenClassification",) if self.model_type == "value" else ())
+        self.vision = self._check_vision_language(hf_config)
+        if self.vision is not None:
+            suffixes += ("ForConditionalGeneration",)
         if archs and not any(a.endswith(suffixes) for a in archs):
             raise ConfigError(f"{self.role}.model.path={mcfg.path}: {archs} is not a causal LM; the fsdp engine "
                               "trains causal LMs and value models built from them")
@@ -261,12 +278,32 @@ class FSDPEngine:
         self.hf_config = hf_config
         model = self._load_hf(path, hf_config, dtype, mcfg)
         hf_config.architectures = [type(model).__name__]  # what export_hf writes (a value model's own class)
+        if self.vision is not None and mcfg.freeze_vision_tower:
+            from polyrl_engine_fsdp.multimodal import freeze_vision_tower
+
+            logger.info("%s: vision tower frozen (%d parameters)", self.role, freeze_vision_tower(model))
         if mcfg.gradient_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):  # the newer name (the old one warns)
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model
+
+    def _check_vision_language(self, hf_config: Any) -> Any:
+        """A vision-language model's ``vision_config`` (``None`` for a text-only model); refuses what this engine
+        does not train on images (a value model on one, a family outside Qwen2-VL / Qwen2.5-VL)."""
+        from polyrl.data.multimodal import QWEN_VL_TYPES
+        from polyrl_engine_fsdp.multimodal import is_vision_language
+
+        if not is_vision_language(hf_config):
+            return None
+        if hf_config.model_type not in QWEN_VL_TYPES:
+            raise ConfigError(f"{self.role}.model.path={self.config.model.path}: a {hf_config.model_type} "
+                              f"vision-language model; the fsdp engine trains {', '.join(QWEN_VL_TYPES)}")
+        if self.model_type == "value":
+            raise ConfigError(f"{self.role}.model.path={self.config.model.path}: a value model (critic) on a "
+                              "vision-language model is not supported; use a critic-free estimator (grpo, rloo...)")
+        return hf_config.vision_config
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """The root module the engine shards and :meth:`forward_micro_batch` calls, around ``model`` (kept as
@@ -281,6 +318,11 @@ class FSDPEngine:
         model = self.load_model(dtype)
         if self.lora:
             model = self.apply_lora(model, self.config.model.lora)
+        if self.vision is not None:  # frozen (model.freeze_vision_tower, or LoRA): weight sync leaves it out
+            from polyrl_engine_fsdp.multimodal import vision_tower_names
+
+            self._vision_trained = any(p.requires_grad for name in vision_tower_names(model)
+                                       for p in model.get_submodule(name).parameters())
         self._shard_root(self.wrap_model(model), model, dtype)
 
     def _shard_root(self, root: nn.Module, model: nn.Module, dtype: torch.dtype) -> None:
@@ -368,6 +410,8 @@ class FSDPEngine:
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         cls = AutoModelForTokenClassification if self.model_type == "value" else AutoModelForCausalLM
+        if self.vision is not None:
+            from transformers import AutoModelForImageTextToText as cls  # type: ignore[no-redef]
         kwargs: dict[str, Any] = {"attn_implementation": mcfg.attn_implementation,
                                   "trust_remote_code": mcfg.trust_remote_code}
         # a critic built from a causal LM gets a new scalar head, zero so the first values are 0;
@@ -394,11 +438,17 @@ class FSDPEngine:
 
         targets = list(lora.target_modules)
         target = "all-linear" if targets == ["all-linear"] else targets
+        extra: dict[str, Any] = {}
+        if self.vision is not None:  # LoRA on the language model; the vision tower stays frozen
+            from polyrl_engine_fsdp.multimodal import lora_exclude_pattern
+
+            extra["exclude_modules"] = lora_exclude_pattern()
         try:
             # a critic's new scalar head must train in full, not stay frozen at zero
             return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                     target_modules=target, bias="none",
-                                                    modules_to_save=["score"] if self.model_type == "value" else None))
+                                                    modules_to_save=["score"] if self.model_type == "value" else None,
+                                                    **extra))
         except ValueError as exc:
             names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
             raise ConfigError(f"{self.role}.model.lora.target_modules={targets} matches no module of the model "
@@ -422,8 +472,11 @@ class FSDPEngine:
 
         This engine: ``mb`` trimmed of all-padding columns; ``log_probs``/``entropy`` (or ``values``)
         ``[b, R']`` on the device, ``R'`` the trimmed response width, and the ``products`` asked for
-        (``[b, R']`` or ``[b, R', k]``; :class:`~polyrl.protocols.ForwardProducts`).
+        (``[b, R']`` or ``[b, R', k]``; :class:`~polyrl.protocols.ForwardProducts`). A vision-language model
+        takes :meth:`_forward_multimodal`.
         """
+        if self.vision is not None:
+            return self._forward_multimodal(mb, temperature, compute_entropy, products)
         mb = _trim(mb)
         inputs = _model_inputs(mb, packed=self.config.use_remove_padding, shared_prompt=self._shared_prompt,
                                uniform=not self.replicated)
@@ -436,6 +489,36 @@ class FSDPEngine:
             shared.update(products=products, gather=dev.get("gather"))
         flat = self.module(dev["input_ids"], dev.get("attention_mask"), dev["position_ids"], dev["index"],
                            dev["targets"], temperature=temperature, compute_entropy=compute_entropy, **shared)
+        shape = tuple(mb["responses"].shape)
+        rows, cols = dev["rows"], dev["cols"]
+        out = {k: torch.zeros(shape + tuple(v.shape[1:]), dtype=v.dtype, device=v.device).index_put((rows, cols), v)
+               for k, v in flat.items()}
+        return out, mb
+
+    def _forward_multimodal(self, mb: TensorDict, temperature: float, compute_entropy: bool,
+                            products: ForwardProducts | None = None) -> tuple[dict[str, torch.Tensor], TensorDict]:
+        """:meth:`forward_micro_batch` of a vision-language model: the rows' images and M-RoPE positions
+        (:func:`polyrl_engine_fsdp.multimodal.multimodal_model_inputs`)."""
+        from polyrl_engine_fsdp.multimodal import blank_image_inputs, multimodal_model_inputs
+
+        mb = _trim(mb)
+        inputs = multimodal_model_inputs(mb, image_token_id=int(self.hf_config.image_token_id),
+                                         packed=self.config.use_remove_padding, shared_prompt=self._shared_prompt,
+                                         uniform=not self.replicated)
+        dev = {k: v.to(self.device) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        images: dict[str, torch.Tensor] | None = {k: v.to(self.device) for k, v in inputs["images"].items()}
+        if not images:  # sharded: the vision tower runs anyway, on a blank patch (FSDP's gathers are collective)
+            images = None if self.replicated else blank_image_inputs(self.vision, self.device)
+            dev.pop("image_mask")
+        shared = {k: dev[k] for k in ("prompt_ids", "prompt_mask", "prompt_positions", "prompt_of_row") if k in dev}
+        if products:
+            if products.gather_ids:
+                require_fields(mb, [products.gather_ids], f"{self.role} engine forward products (gather_ids)")
+                shared["gather"] = mb[products.gather_ids][inputs["rows"], inputs["cols"]].to(self.device)
+            shared["products"] = products
+        flat = self.module(dev["input_ids"], dev.get("attention_mask"), dev["position_ids"], dev["index"],
+                           dev["targets"], temperature=temperature, compute_entropy=compute_entropy,
+                           images=images, image_mask=dev.get("image_mask"), **shared)
         shape = tuple(mb["responses"].shape)
         rows, cols = dev["rows"], dev["cols"]
         out = {k: torch.zeros(shape + tuple(v.shape[1:]), dtype=v.dtype, device=v.device).index_put((rows, cols), v)
@@ -579,10 +662,10 @@ class FSDPEngine:
         return metrics
 
     # ------------------------------------------------------------------ weights
-    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_parameters(self, include: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, full tensor)`` one parameter at a time, gathered from its shards (collective: every rank
         iterates); LoRA merged per module. Names are the model's own (the root's ``model.`` and peft's prefixes
-        removed): HF names for this engine."""
+        removed): HF names for this engine. ``include(hf_name)`` picks which parameters come (default: all)."""
         lora_mods = {}
         if self.lora:
             from peft.tuners.lora import LoraLayer
@@ -591,8 +674,10 @@ class FSDPEngine:
         for name, param in self.module.named_parameters():
             if ".lora_" in name or ".original_module." in name:  # peft's frozen copy of a fully trained module
                 continue
-            full = full_tensor(param)
             hf = _hf_name(name)
+            if include is not None and not include(hf):
+                continue
+            full = full_tensor(param)
             if self.lora and name.endswith(".base_layer.weight"):
                 mod = lora_mods[name[: -len(".base_layer.weight")]]
                 full = full.clone()
@@ -614,7 +699,15 @@ class FSDPEngine:
         Collective: every rank iterates. LoRA weights are merged (``W + B A * scaling``) unless
         ``model.lora.sync`` is ``adapter``; then only the adapter's tensors come, in peft's names.
         """
-        source = self._adapter_params() if self.lora and self.config.model.lora.sync == "adapter" else self.full_parameters()
+        if self.lora and self.config.model.lora.sync == "adapter":
+            source = self._adapter_params()
+        elif self.vision is not None and not self._vision_trained:
+            from polyrl_engine_fsdp.multimodal import is_vision_parameter
+
+            # a frozen vision tower never changes: the rollout keeps the weights it loaded
+            source = self.full_parameters(include=lambda name: not is_vision_parameter(name))
+        else:
+            source = self.full_parameters()
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name, tensor in source:
@@ -863,6 +956,8 @@ def _trim(mb: TensorDict) -> TensorDict:
     out = mb.clone(False)
     for key in ("input_ids", "attention_mask", "position_ids"):
         out[key] = mb[key][:, cols]
+    if "mrope_position_ids" in mb.keys():  # a vision-language batch's [b, 3, S] positions
+        out["mrope_position_ids"] = mb["mrope_position_ids"][..., cols]
     for key in mb.keys():
         value = mb.get(key)
         # per-response-token fields: [b, R] and [b, R, k] (a teacher's top-k); prompts are [b, P] whatever P is

@@ -100,6 +100,9 @@ def _check_role_config(config: Any, role: str, world_size: int) -> tuple[Any, Me
         _dtype(block.param_dtype, f"{role}.megatron.param_dtype")
     _check_choices(block, key)
     hf_config = _hf_config(config, role)
+    if getattr(hf_config, "vision_config", None) is not None:
+        raise ConfigError(f"{role}.model.path={config.model.path} is a vision-language model ({hf_config.model_type}): "
+                          f"engine 'megatron' trains text models only. Set {role}.engine=fsdp (docs/vlm.md)")
     dp = validate_layout(hf_config, tp=block.tensor_model_parallel_size, pp=block.pipeline_model_parallel_size,
                          world_size=world_size, key=key, sequence_parallel=block.sequence_parallel,
                          lora=False, cp=block.context_parallel_size, ep=block.expert_model_parallel_size,

@@ -288,7 +288,7 @@ class DistillTrainer(RecipeTrainer):
             methods=("compute_teacher_log_prob",))]
 
     def before_advantage(self, batch: TensorDict, metrics: dict[str, float]) -> TensorDict:
-        teacher = self.group("teacher").dispatch("compute_teacher_log_prob", batch_ops.tensor_fields(batch))
+        teacher = self.group("teacher").dispatch("compute_teacher_log_prob", batch_ops.engine_fields(batch))
         for key in TEACHER_FIELDS:
             if key in teacher.keys():
                 batch[key] = teacher[key]

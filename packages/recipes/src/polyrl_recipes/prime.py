@@ -264,11 +264,11 @@ class PRIMETrainer(RecipeTrainer):
             batch["prm_ref_log_prob"] = batch["ref_log_prob"]  # the same numbers at temperature 1
         else:
             batch["prm_ref_log_prob"] = self.group("ref").dispatch("compute_prm_ref_log_prob",
-                                                                   batch_ops.tensor_fields(batch))["log_probs"]
+                                                                   batch_ops.engine_fields(batch))["log_probs"]
         prm = self.group("prm")
         if o.update == "before":
-            metrics.update(_mean_of(prm.dispatch("update_prm", batch_ops.tensor_fields(batch))))
-        q = prm.dispatch("compute_prm_scores", batch_ops.tensor_fields(batch))["prm_q"]
+            metrics.update(_mean_of(prm.dispatch("update_prm", batch_ops.engine_fields(batch))))
+        q = prm.dispatch("compute_prm_scores", batch_ops.engine_fields(batch))["prm_q"]
         rewards = implicit_token_rewards(q, batch["response_mask"], o.beta_train)
         if o.prime_norm == "batch_norm":
             rewards = prime_norm(rewards)

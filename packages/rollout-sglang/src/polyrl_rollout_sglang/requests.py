@@ -4,7 +4,8 @@ SGLang takes a batch as parallel lists (``input_ids``, ``sampling_params`` dicts
 input: ``output_ids`` and ``meta_info`` (``finish_reason`` ``{"type": "stop" | "length" | "abort", ...}`` and,
 with ``return_logprob``, ``output_token_logprobs`` as ``(logprob, token_id, text)`` triples). A request's ``n``
 samples are sent as ``n`` inputs with ``n=1`` each: SGLang wants one ``n`` for a whole batch, and a seed per
-sample keeps a GRPO group from sampling the same text.
+sample keeps a GRPO group from sampling the same text. A vision-language model's images travel as
+``image_data`` (one list per input), beside ``input_ids`` that already hold the expanded image tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class EngineInput:
     sample_index: int
     input_ids: list[int]
     sampling_params: dict[str, Any]
+    #: A vision-language model's images for this input (PIL images, SGLang's ``image_data``), or ``None``.
+    image_data: list[Any] | None = None
 
 
 def sampling_dict(params: SamplingParams, seed_offset: int = 0) -> dict[str, Any]:
@@ -58,9 +61,20 @@ def engine_inputs(requests: Sequence[GenerationRequest]) -> list[EngineInput]:
     for i, req in enumerate(requests):
         if req.sampling_params.n < 1:
             raise ValueError(f"request {req.request_id or i}: sampling_params.n={req.sampling_params.n}; it must be >= 1")
+        images = (req.multi_modal or {}).get("image")
         for k in range(req.sampling_params.n):
-            inputs.append(EngineInput(i, k, list(req.prompt_ids), sampling_dict(req.sampling_params, len(inputs))))
+            inputs.append(EngineInput(i, k, list(req.prompt_ids), sampling_dict(req.sampling_params, len(inputs)),
+                                      list(images) if images else None))
     return inputs
+
+
+def image_data_argument(inputs: Sequence[EngineInput]) -> dict[str, Any]:
+    """``{"image_data": [...]}`` (one list of images per input, ``None`` for inputs without) when any input has
+    images, else ``{}``: the keyword ``Engine.generate`` takes with ``input_ids`` whose image tokens the
+    processor already expanded."""
+    if not any(i.image_data for i in inputs):
+        return {}
+    return {"image_data": [i.image_data for i in inputs]}
 
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}

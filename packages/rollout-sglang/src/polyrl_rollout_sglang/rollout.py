@@ -23,7 +23,13 @@ from polyrl.rollout.limits import check_model_length
 from polyrl.rollout.lora_adapter import LoRAAdapterSync
 from polyrl.rollout.weights import check_named_tensors, hf_param_shapes
 from polyrl_rollout_sglang.config import SGLangConfig
-from polyrl_rollout_sglang.requests import engine_inputs, engine_kwargs, memory_tags, results_from_outputs
+from polyrl_rollout_sglang.requests import (
+    engine_inputs,
+    engine_kwargs,
+    image_data_argument,
+    memory_tags,
+    results_from_outputs,
+)
 
 logger = logging.getLogger("polyrl.rollout.sglang")
 
@@ -149,6 +155,7 @@ class SGLangRollout:
         self._flush_if_needed()
         inputs = engine_inputs(requests)
         extra = {"lora_path": [self._adapter_name] * len(inputs)} if self._adapter_name else {}
+        extra.update(image_data_argument(inputs))  # a vision-language model's images (none: no keyword)
         outputs = self._call(
             self.engine.generate, input_ids=[i.input_ids for i in inputs],
             sampling_params=[i.sampling_params for i in inputs],

@@ -41,6 +41,18 @@ def import_vllm() -> Any:
     return vllm
 
 
+def vllm_prompt(request: GenerationRequest) -> Any:
+    """vLLM's ``TokensPrompt`` for a request: its token ids and, for a vision-language model, its images
+    (``request.multi_modal["image"]``, PIL images) as ``multi_modal_data``. The ids already hold one image token
+    per merged patch (the processor expanded them), which vLLM recognises as its placeholders."""
+    from vllm.inputs import TokensPrompt
+
+    images = (request.multi_modal or {}).get("image")
+    if images:
+        return TokensPrompt(prompt_token_ids=list(request.prompt_ids), multi_modal_data={"image": list(images)})
+    return TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+
+
 def _on_cpu(platform: Any) -> bool:
     return platform is None or getattr(platform, "device_type", "cpu") == "cpu"
 
@@ -164,9 +176,7 @@ class VLLMRollout:
                 return await asyncio.gather(*[self.agenerate(r) for r in requests])
 
             return [r for group in self._run_coro(run_all()) for r in group]
-        from vllm.inputs import TokensPrompt
-
-        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        prompts = [vllm_prompt(r) for r in requests]
         outputs = self.llm.generate(prompts, [self._sampling(r.sampling_params, i) for i, r in enumerate(requests)],
                                     use_tqdm=False, lora_request=self._lora_request)
         return [res for req, out in zip(requests, outputs) for res in self._results(req, out)]
@@ -183,11 +193,9 @@ class VLLMRollout:
 
                 self._batcher, self._batcher_loop = BatchingClient(self, self.vcfg.max_num_seqs), loop
             return await self._batcher.agenerate(request)
-        from vllm.inputs import TokensPrompt
-
         self._load_staged()
         future = asyncio.run_coroutine_threadsafe(
-            self._async_generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
+            self._async_generate(vllm_prompt(request),
                                  self._sampling(request.sampling_params, next(self._async_counter))), self._loop)
         final = await asyncio.wrap_future(future)
         return self._results(request, final)

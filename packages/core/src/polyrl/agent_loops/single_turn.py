@@ -9,7 +9,8 @@ from polyrl.protocols import AgentLoopOutput, GenerationClient, GenerationReques
 
 
 class SingleTurnAgentLoop:
-    """Generate once from ``sample["prompt_ids"]``; every response token is trained on."""
+    """Generate once from ``sample["prompt_ids"]`` (and a vision-language model's ``sample["multi_modal_data"]``,
+    the row's processed images); every response token is trained on."""
 
     def __init__(self, *, tokenizer: Any = None, config: Any = None, tools: Any = None) -> None:
         self.tokenizer = tokenizer
@@ -19,7 +20,7 @@ class SingleTurnAgentLoop:
         if "prompt_ids" not in sample:
             raise KeyError("single_turn needs sample['prompt_ids'] (the dataset applies the chat template)")
         request = GenerationRequest(prompt_ids=list(sample["prompt_ids"]), sampling_params=sampling_params.replace(n=1),
-                                    request_id=str(sample.get("uid", "")))
+                                    request_id=str(sample.get("uid", "")), multi_modal=sample.get("multi_modal_data"))
         (result,) = await client.agenerate(request)
         return AgentLoopOutput(
             prompt_ids=list(result.prompt_ids),

@@ -96,6 +96,11 @@ class ToolAgentLoop:
 
     def _prompt_ids(self, sample: Mapping[str, Any], allowed: list[str]) -> list[int]:
         if self.config.tools_in_prompt and allowed and sample.get("prompt") and not isinstance(sample["prompt"], str):
+            if sample.get("multi_modal_data") is not None:  # rendering here would lose the images' tokens
+                raise DataError(
+                    f"tool_agent: row uid {sample.get('uid')} has images, and its prompt would be rendered again with "
+                    "the tools' schemas, without them: set agent.tools_in_prompt=false (describe the tools in the "
+                    "prompt yourself) to keep the dataset's prompt with its images")
             schemas = [self.tools[n].schema for n in allowed]
             ids = self.tokenizer.apply_chat_template(list(sample["prompt"]), tools=schemas, add_generation_prompt=True,
                                                      tokenize=True)
@@ -162,7 +167,8 @@ class ToolAgentLoop:
             params = sampling_params.replace(n=1, max_new_tokens=per_turn, seed=_turn_seed(sampling_params.seed, turns))
             request = GenerationRequest(prompt_ids=prompt_ids + response,
                                         sampling_params=params,
-                                        request_id=f"{sample.get('uid', '')}/turn{turns}")
+                                        request_id=f"{sample.get('uid', '')}/turn{turns}",
+                                        multi_modal=sample.get("multi_modal_data"))  # the prompt's images
             (result,) = await client.agenerate(request)
             turns += 1
             ids = list(result.response_ids)

@@ -54,6 +54,9 @@ class ModelConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     #: Extra keyword arguments for the HF config (``{"num_hidden_layers": 2}``).
     override_config: dict[str, Any] = field(default_factory=dict)
+    #: A vision-language model's vision tower (and its merger into the language model) is not trained;
+    #: weight sync then leaves it out (the rollout loaded the same weights). verl's ``freeze_vision_tower``.
+    freeze_vision_tower: bool = False
 
 
 @dataclass

@@ -44,6 +44,12 @@ class DataConfig:
     ground_truth_key: str = "reward_model.ground_truth"
     #: Extra keyword arguments of the tokenizer's ``apply_chat_template`` (``{enable_thinking: false}``).
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: The column of a row's images (verl's ``images``: paths, bytes or PIL images; one ``<image>`` in the
+    #: prompt per image), for vision-language models (docs/vlm.md).
+    image_key: str = "images"
+    #: A row whose images cannot be used (missing file, not an image, placeholders and images that do not
+    #: match): ``error`` (refuse the run, naming the file, row and image) or ``skip`` (drop it and count it).
+    on_bad_row: str = "error"
 
 
 @dataclass

@@ -617,7 +617,7 @@ def _build_table() -> list[Entry]:
         Mapped(f"{ACTOR}.clip_ratio_c", "actor.clip_ratio_c"),
         Mapped(f"{ACTOR}.tau_pos", "actor.policy_loss.extra.tau_pos", note="SAPO"),
         Mapped(f"{ACTOR}.tau_neg", "actor.policy_loss.extra.tau_neg", note="SAPO"),
-        Refused(f"{ACTOR}.freeze_vision_tower", "polyrl trains text models", allowed=(False,)),
+        Mapped(f"{ACTOR}.freeze_vision_tower", "model.freeze_vision_tower", note="vision-language models"),
         Ignored(f"{ACTOR}.policy_loss._target_", "verl's dataclass name"),
         Mapped(f"{ACTOR}.policy_loss.*", "actor.policy_loss.*",
                lambda v, view: {f"actor.policy_loss.{k}": x for k, x in (v or {}).items() if k != "_target_"},
@@ -812,7 +812,7 @@ def _build_table() -> list[Entry]:
         Ignored("data.filter_overlong_prompts_workers", "rows are filtered in the driver"),
         Mapped("data.truncation", "data.truncation", _truncation, note="error, left, right; filter with "
                "filter_overlong_prompts"),
-        Ignored("data.image_key", "multimodal rows are not supported by the verl front end yet"),
+        Mapped("data.image_key", "data.image_key", note="vision-language models (docs/vlm.md)"),
         Ignored("data.video_key", "multimodal rows are not supported by the verl front end yet"),
         Ignored("data.trust_remote_code", f"the tokenizer follows {MODEL}.trust_remote_code"),
         Ignored("data.custom_cls.*", "no effect unless its path is set, refused then"),

@@ -140,21 +140,39 @@ class RLDataset:
     with more than :func:`char_clip` characters of content is first tokenized from a clip of that many
     characters (its start, or its end for ``left``), which already holds more tokens than the limit; the
     row's fate is decided from that. Rows below the clip length are tokenized exactly as before.
+
+    Rows with images (``image_key``, verl's ``images`` column; :mod:`polyrl.data.multimodal`) need the
+    vision-language model's ``processor``: their ``prompt_ids`` are what the processor makes of the prompt
+    rendered with its chat template, their image paths are resolved (relative to the data file's folder,
+    else the working directory). A row whose images cannot be used (a file that does not exist or is not
+    an image, more or fewer ``<image>`` placeholders than images, an image the processor refuses) is a
+    ``DataError`` naming the file, row and image with ``on_bad_row="error"``, or skipped and counted
+    (``stats["bad_rows"]``) with ``"skip"``. A prompt with images is never cut: over the length limit it is
+    filtered (or an error with ``truncation="error"``). Images larger than the processor keeps are resized
+    down by it and counted (``stats["images_downscaled"]``).
     """
 
     def __init__(self, files: Sequence[str | Path], tokenizer: Any, *, max_prompt_length: int,
                  truncation: str = "error", chat_template: bool = True, columns: RowColumns | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
+                 chat_template_kwargs: dict[str, Any] | None = None, processor: Any = None,
+                 image_key: str = "images", on_bad_row: str = "error") -> None:
         if truncation not in ("error", "left", "right", "filter"):
             raise DataError(f"data.truncation={truncation!r}: choose error, left, right or filter")
+        if on_bad_row not in ("error", "skip"):
+            raise DataError(f"data.on_bad_row={on_bad_row!r}: choose error or skip")
         self.rows: list[dict] = []
         self.stats = {"rows": 0, "filtered": 0, "truncated": 0}
+        self.processor, self.image_key, self.on_bad_row = processor, image_key, on_bad_row
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         columns = columns or RowColumns()
         clip = char_clip(tokenizer, max_prompt_length)
         for file in files:
             for i, row in enumerate(load_rows(file)):
                 row = columns.normalize(row, str(file), i)
                 validate_row(row, str(file), i)
+                if self._has_images(row, file, i):
+                    self._add_image_row(row, file, i, max_prompt_length, truncation, chat_template)
+                    continue
                 ids, over = _bounded_prompt_ids(row["prompt"], tokenizer, chat_template, clip, max_prompt_length,
                                                 keep_end=truncation == "left", kwargs=chat_template_kwargs)
                 self.stats["rows"] += 1
@@ -175,6 +193,61 @@ class RLDataset:
         if self.stats["filtered"] or self.stats["truncated"]:
             logger.warning("data: %d over-long prompts filtered, %d truncated (of %d)", self.stats["filtered"],
                            self.stats["truncated"], self.stats["rows"])
+        if self.stats.get("bad_rows"):
+            logger.warning("data: %d rows with unusable images skipped (data.on_bad_row=skip) of %d",
+                           self.stats["bad_rows"], self.stats["rows"])
+        if self.stats.get("images_downscaled"):
+            logger.info("data: %d images larger than the processor keeps are resized down by it",
+                        self.stats["images_downscaled"])
+
+    # ------------------------------------------------------------------ rows with images
+    def _has_images(self, row: dict, file: str | Path, i: int) -> bool:
+        """Whether ``row`` takes the image path: it has images, or (with a processor) ``<image>`` placeholders."""
+        from polyrl.data.multimodal import count_placeholders, row_images
+
+        if row_images(row, self.image_key):
+            if self.processor is None:
+                raise DataError(
+                    f"{file} row {i} has images ('{self.image_key}') but the model is text-only (it has no image "
+                    "processor): train a vision-language model (Qwen2-VL, Qwen2.5-VL), or drop the images column "
+                    "(data.image_key names it)")
+            return True
+        return self.processor is not None and count_placeholders(row["prompt"]) > 0
+
+    def _add_image_row(self, row: dict, file: str | Path, i: int, max_prompt_length: int, truncation: str,
+                       chat_template: bool) -> None:
+        from polyrl.data.multimodal import encode_image_prompt, row_images
+
+        self.stats["rows"] += 1
+        for key in ("bad_rows", "images", "images_downscaled"):
+            self.stats.setdefault(key, 0)
+        if not chat_template:
+            raise DataError(f"{file} row {i} has images, which need the processor's chat template: set "
+                            "data.apply_chat_template=true")
+        images = row_images(row, self.image_key)
+        try:
+            ids, resolved, downscaled = encode_image_prompt(row["prompt"], images, self.processor,
+                                                            base_dir=Path(file).resolve().parent,
+                                                            chat_template_kwargs=self.chat_template_kwargs)
+        except ValueError as exc:
+            message = f"{file} row {i}: {exc}"
+            if self.on_bad_row == "error":
+                raise DataError(f"{message}. Fix the row, or set data.on_bad_row=skip to skip such rows") from None
+            logger.warning("%s; row skipped (data.on_bad_row=skip)", message)
+            self.stats["bad_rows"] += 1
+            return
+        if len(ids) > max_prompt_length:
+            if truncation == "error":
+                raise DataError(f"{file} row {i}: prompt is {len(ids)} tokens with its images, over "
+                                f"data.max_prompt_length={max_prompt_length}; raise it, or set data.truncation=filter")
+            if truncation in ("left", "right"):  # cutting would cut an image's tokens: the row is dropped instead
+                logger.warning("%s row %d: a prompt with images (%d tokens) is never cut; filtered instead "
+                               "(data.truncation=%s)", file, i, len(ids), truncation)
+            self.stats["filtered"] += 1
+            return
+        self.stats["images"] += len(resolved)
+        self.stats["images_downscaled"] += downscaled
+        self.rows.append(dict(row, prompt_ids=ids, **{self.image_key: resolved}))
 
     def __len__(self) -> int:
         return len(self.rows)

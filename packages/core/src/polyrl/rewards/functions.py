@@ -29,6 +29,14 @@ def arithmetic_score(data_source: str, solution_str: str, ground_truth: Any, ext
     return {"score": float(correct), "acc": float(correct)}
 
 
+def shapes_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict:
+    """The shapes task (:func:`polyrl.data.synthetic.make_shape_rows`): correct when the response, stripped and
+    lower-cased (a final ``.`` dropped), is the answer word."""
+    answer = solution_str.strip().lower().rstrip(".").strip()
+    correct = answer == str(ground_truth).strip().lower()
+    return {"score": float(correct), "acc": float(correct)}
+
+
 #: GSM8K's answer format: the final line ``#### <number>`` (the number may carry ``,`` and ``$``)
 _GSM8K_MARKER = re.compile(r"####\s*\$?\s*(-?[0-9][0-9.,]*|-?\.[0-9]+)")
 _NUMBER = re.compile(r"-?[0-9.,]*[0-9]")

@@ -13,6 +13,7 @@ def register_reward_managers(register):
 @hookimpl
 def register_reward_functions(register):
     register("arithmetic", "polyrl.rewards.functions:arithmetic_score", data_sources=["arithmetic"])
+    register("shapes", "polyrl.rewards.functions:shapes_score", data_sources=["shapes"])
     # data sources as in verl's default_compute_score (verl.utils.reward_score)
     register("gsm8k", "polyrl.rewards.functions:gsm8k_score", data_sources=["openai/gsm8k", "gsm8k"])
     register("math", "polyrl.rewards.functions:math_score",

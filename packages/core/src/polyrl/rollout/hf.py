@@ -1,5 +1,8 @@
 """``hf``: the embedded rollout, transformers generation on token ids with per-token log-probs.
 
+Vision-language models (Qwen2-VL, Qwen2.5-VL) generate from images too: requests whose ``multi_modal`` holds
+processed images take :meth:`HFRollout._generate_batch_multimodal`, beside the text path.
+
 Slow next to vLLM on a GPU, but it needs nothing beyond transformers, runs
 anywhere, and is exact: it samples from the very model the trainer trains.
 """
@@ -28,14 +31,14 @@ class HFRollout:
     capabilities = RolloutCapabilities(sleep=False, async_generate=False, log_probs=True)
 
     def __init__(self, config: Any, *, model_path: str, tokenizer: Any, platform: Any = None) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.config = config
         self.tokenizer = tokenizer
         self.device = platform.current_device() if platform is not None else torch.device("cpu")
         dtype = getattr(torch, getattr(config, "dtype", "float32"))
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
-        self.max_model_len = config.max_model_len or self.model.config.max_position_embeddings
+        self.model = _load_model(model_path, dtype).to(self.device).eval()
+        #: A vision-language model's image token and patch merge (``None``: a text-only model).
+        self.vision = _vision_tokens(self.model.config)
+        self.max_model_len = config.max_model_len or self.model.config.get_text_config().max_position_embeddings
         self.max_batch_size = getattr(config, "max_batch_size", 64)
         self.eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -60,10 +63,13 @@ class HFRollout:
         start = 0
         while start < len(expanded):
             params = expanded[start][0].sampling_params
+            images = _has_images(expanded[start][0])  # requests with images take the multimodal path
             end = start
-            while end < len(expanded) and end - start < self.max_batch_size and expanded[end][0].sampling_params == params:
+            while end < len(expanded) and end - start < self.max_batch_size and expanded[end][0].sampling_params == params \
+                    and _has_images(expanded[end][0]) == images:
                 end += 1
-            results += self._generate_batch(expanded[start:end], params, generator)
+            run = self._generate_batch_multimodal if images else self._generate_batch
+            results += run(expanded[start:end], params, generator)
             start = end
         return results
 
@@ -134,6 +140,78 @@ class HFRollout:
             ))
         return results
 
+    @torch.inference_mode()
+    def _generate_batch_multimodal(self, items: list[tuple[GenerationRequest, int]], params: SamplingParams,
+                                   generator: torch.Generator) -> list[GenerationResult]:
+        """:meth:`_generate_batch` for prompts with images (``request.multi_modal``: the processed images of
+        :class:`polyrl.data.multimodal.ImageInputs`). The prefill runs the vision tower on each distinct
+        (prompt, images) pair once, with Qwen-VL's M-RoPE positions ``[3, b, L]``; decoding continues the
+        text positions after each prompt's last."""
+        from polyrl.data.multimodal import mrope_position_ids
+
+        if self.vision is None:
+            raise ValueError("hf rollout: a request has images but the model is text-only")
+        prompts = [list(req.prompt_ids) for req, _ in items]
+        first: dict[tuple[Any, ...], int] = {}
+        owner = [first.setdefault((tuple(p), req.multi_modal["key"]), len(first)) for p, (req, _) in zip(prompts, items)]
+        if not self.share_prefill:
+            owner = list(range(len(items)))
+        lead = [owner.index(u) for u in range(max(owner) + 1)]  # the first item of each distinct prompt
+        expand = torch.tensor(owner, device=self.device) if len(lead) < len(items) else None
+        width = max(len(prompts[i]) for i in lead)
+        ids = torch.full((len(lead), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(lead):
+            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]):] = 1
+        grids = [items[i][0].multi_modal["image_grid_thw"] for i in lead]
+        position = torch.stack([mrope_position_ids(ids[row], mask[row], grids[row], **self.vision)
+                                for row in range(len(lead))], dim=1)  # [3, U, width]
+        images = {"pixel_values": torch.cat([items[i][0].multi_modal["pixel_values"] for i in lead]).to(self.device),
+                  "image_grid_thw": torch.cat(grids).to(self.device)}
+        ids, mask, position = ids.to(self.device), mask.to(self.device), position.to(self.device)
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        stop_t = torch.tensor(sorted(stop), device=self.device) if stop else None
+        b = len(items)
+        out_tokens = torch.full((b, params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
+        out_logp = torch.zeros((b, params.max_new_tokens), dtype=torch.float32, device=self.device)
+        lengths = torch.zeros(b, dtype=torch.long, device=self.device)
+        stopped = torch.zeros(b, dtype=torch.bool, device=self.device)
+        live = torch.arange(b, device=self.device)
+        past = None
+        cur_ids, cur_pos, attn, extra = ids, position, mask, {"logits_to_keep": 1, **images}
+        for t in range(params.max_new_tokens):
+            out = self.model(input_ids=cur_ids, attention_mask=attn, position_ids=cur_pos, past_key_values=past,
+                             use_cache=True, **extra)
+            past, extra = out.past_key_values, {"logits_to_keep": 1}  # the images enter at the prefill only
+            logits = out.logits[:, -1, :].float()
+            if t == 0 and expand is not None:  # one prefilled row per distinct prompt -> one row per sample
+                past.reorder_cache(expand)
+                logits, cur_pos, attn = logits[expand], cur_pos[:, expand], attn[expand]
+            token, logp = _sample(logits, params, generator)
+            out_tokens[live, t] = token
+            out_logp[live, t] = logp
+            lengths[live] += 1
+            hit = torch.isin(token, stop_t) if stop_t is not None else torch.zeros_like(token, dtype=torch.bool)
+            stopped[live] |= hit
+            if bool(hit.any()):
+                keep = (~hit).nonzero().squeeze(-1)
+                if keep.numel() == 0:
+                    break
+                live, token, cur_pos, attn = live[keep], token[keep], cur_pos[:, keep], attn[keep]
+                past.reorder_cache(keep)
+            cur_ids = token.unsqueeze(-1)
+            cur_pos = cur_pos[..., -1:] + 1  # a prompt ends in text: the next token is one further on every axis
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)
+        results = []
+        for i, (req, k) in enumerate(items):
+            n = int(lengths[i])
+            results.append(GenerationResult(
+                prompt_ids=prompts[i], response_ids=out_tokens[i, :n].tolist(),
+                log_probs=out_logp[i, :n].tolist() if params.logprobs else [],
+                finish_reason="stop" if bool(stopped[i]) else "length", request_id=req.request_id, sample_index=k))
+        return results
+
     async def agenerate(self, request: GenerationRequest) -> list[GenerationResult]:
         """``generate([request])`` in a worker thread (no native async engine: prefer ``BatchingClient``)."""
         return await asyncio.to_thread(self.generate, [request])
@@ -183,6 +261,27 @@ class HFRollout:
 
     def shutdown(self) -> None:
         """No-op: the model is freed with the rollout (no engine processes to stop)."""
+
+
+def _load_model(model_path: str, dtype: torch.dtype) -> Any:
+    """The model at ``model_path``: a causal LM, or a vision-language model (its config has a ``vision_config``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(model_path)
+    cls = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    return cls.from_pretrained(model_path, dtype=dtype)
+
+
+def _vision_tokens(config: Any) -> dict[str, int] | None:
+    """``image_token_id`` and ``spatial_merge_size`` of a Qwen-VL config (``None`` for a text-only model)."""
+    vision = getattr(config, "vision_config", None)
+    if vision is None:
+        return None
+    return {"image_token_id": int(config.image_token_id), "spatial_merge_size": int(vision.spatial_merge_size)}
+
+
+def _has_images(request: GenerationRequest) -> bool:
+    return bool(request.multi_modal) and request.multi_modal.get("pixel_values") is not None
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,13 +31,16 @@ def request_seed(seed: int | None, offset: int) -> int | None:
 def hf_param_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     """Parameter name -> shape of the HF causal LM at ``model_path`` (built on the meta device: no memory), under
     both transformers' in-memory names and the checkpoint's (a mixture of experts' per-expert tensors, which
-    transformers fuses in memory; see :mod:`polyrl.models.hf_names`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    transformers fuses in memory; see :mod:`polyrl.models.hf_names`); for a vision-language model, of its
+    image-text-to-text class (the names an engine's ``weights_for_rollout`` uses)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from polyrl.models.hf_names import checkpoint_shapes
 
+    config = AutoConfig.from_pretrained(model_path)
+    cls = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        model = cls.from_config(config)
     return {**{n: tuple(p.shape) for n, p in model.named_parameters()}, **checkpoint_shapes(model)}
 
 

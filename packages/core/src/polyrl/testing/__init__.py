@@ -2,7 +2,7 @@
 
 Enable it in a test module or ``conftest.py`` with ``pytest_plugins = ["polyrl.testing"]``.
 It provides fixtures (:mod:`polyrl.testing.fixtures`: ``polyrl_plugin_manager``,
-``polyrl_plugins``, ``tiny_model_dir``, ``tiny_tokenizer``) and one conformance
+``polyrl_plugins``, ``tiny_model_dir``, ``tiny_tokenizer``, ``tiny_vlm_dir``) and one conformance
 base class per protocol (``polyrl.testing.conformance``); see docs/plugins/testing.md:
 
 ```python
@@ -33,6 +33,7 @@ from polyrl.testing.fixtures import (  # noqa: E402
     polyrl_plugins,
     tiny_model_dir,
     tiny_tokenizer,
+    tiny_vlm_dir,
 )
 
 #: Markers for tests that need a device; a suite skips them where the platform probe fails.
@@ -56,6 +57,7 @@ __all__ = [
     "polyrl_plugins",
     "tiny_model_dir",
     "tiny_tokenizer",
+    "tiny_vlm_dir",
     "AdvantageEstimatorConformance",
     "AgentLoopConformance",
     "EngineConformance",

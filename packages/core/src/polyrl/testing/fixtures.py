@@ -85,3 +85,12 @@ def tiny_tokenizer(tiny_model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init tiny Qwen2-VL with its tokenizer and image processor (:func:`polyrl.models.tiny_vlm.make_tiny_vlm`,
+    built once per session)."""
+    from polyrl.models.tiny_vlm import make_tiny_vlm
+
+    return make_tiny_vlm(tmp_path_factory.mktemp("polyrl-tiny-vlm") / "model", size="tiny", seed=0)

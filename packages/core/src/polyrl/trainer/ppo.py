@@ -240,6 +240,7 @@ class PPOTrainer:
         from polyrl.data import RLDataset
 
         data = self.config.data
+        processor = self.build_processor()
 
         from polyrl.data.dataset import RowColumns
 
@@ -247,9 +248,21 @@ class PPOTrainer:
             return RLDataset(list(files), self.tokenizer, max_prompt_length=data.max_prompt_length,
                              truncation=data.truncation, chat_template=data.apply_chat_template,
                              columns=RowColumns.from_config(data),
-                             chat_template_kwargs=dict(data.apply_chat_template_kwargs))
+                             chat_template_kwargs=dict(data.apply_chat_template_kwargs), processor=processor,
+                             image_key=data.image_key, on_bad_row=data.on_bad_row)
 
         return load(data.train_files), (load(data.val_files) if data.val_files else None)
+
+    def build_processor(self) -> Any:
+        """The actor model's multimodal processor (images into the prompt; :mod:`polyrl.data.multimodal`), or
+        ``None`` for a text-only model."""
+        from polyrl.data.multimodal import load_processor
+
+        model = self.config.actor.model
+        try:
+            return load_processor(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)
+        except ValueError as exc:
+            raise ConfigError(f"actor.model.path={model.path}: {exc}") from None
 
     def build_reward_fn(self) -> Any:
         """The reward manager: ``batch -> RewardOutput`` (``reward.manager`` with ``reward.function``)."""
@@ -718,7 +731,7 @@ class PPOTrainer:
         if not self.skip_old_log_prob:
             with _timer(timing, "old_log_prob"):
                 products = {"products": self.old_log_prob_products} if self.old_log_prob_products else {}
-                old = groups.actor.dispatch("compute_log_prob", batch_ops.tensor_fields(batch), **products)
+                old = groups.actor.dispatch("compute_log_prob", batch_ops.engine_fields(batch), **products)
             batch["old_log_probs"] = old["log_probs"]
             for key in self.old_log_prob_products.output_keys() if self.old_log_prob_products else ():
                 batch[key] = old[key]
@@ -729,11 +742,11 @@ class PPOTrainer:
                 metrics["rollout/logprob_diff_mean"] = float(masked_mean(diff, mask))
         if self.use_ref:
             with _timer(timing, "ref"):
-                batch["ref_log_prob"] = groups.ref.dispatch("compute_ref_log_prob", batch_ops.tensor_fields(batch))[
+                batch["ref_log_prob"] = groups.ref.dispatch("compute_ref_log_prob", batch_ops.engine_fields(batch))[
                     "log_probs"]
         if self.use_critic:
             with _timer(timing, "values"):
-                batch["values"] = groups.critic.dispatch("compute_values", batch_ops.tensor_fields(batch))["values"]
+                batch["values"] = groups.critic.dispatch("compute_values", batch_ops.engine_fields(batch))["values"]
 
         # rewards (KL in reward) -> advantage estimator
         with _timer(timing, "adv"):
@@ -767,7 +780,7 @@ class PPOTrainer:
             batch = self.after_advantage(batch, metrics)
 
         # critic update -> actor update
-        tensors = batch_ops.tensor_fields(batch)
+        tensors = batch_ops.engine_fields(batch)
         if self.use_critic:
             with _timer(timing, "update_critic"):
                 metrics.update(_mean_of(groups.critic.dispatch("update_critic", tensors)))

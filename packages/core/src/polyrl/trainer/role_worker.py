@@ -84,6 +84,7 @@ class Worker:
         torch.manual_seed(seed)
 
         self.tokenizer = self.load_tokenizer()
+        self.processor = self.load_processor()
         self.actor = self.ref = self.critic = self.rollout = None
         #: Roles beyond the built-in four: their specs, and the engine or rollout (and tokenizer) built for each.
         self.role_specs: dict[str, Any] = {s.name: s for s in role_specs or ()}
@@ -127,6 +128,17 @@ class Worker:
         model_cfg = self.config.actor.model
         check_model_paths(model_cfg, "actor.model")  # a clear error, not transformers' retries on an unreachable Hub
         return AutoTokenizer.from_pretrained(model_cfg.tokenizer_path or model_cfg.path)
+
+    def load_processor(self) -> Any:
+        """The actor model's multimodal processor when it is a vision-language model (rows' images are processed
+        here, once per image per step: :class:`polyrl.data.multimodal.ImageInputs`), else ``None``. Subclasses
+        whose model takes no images return ``None``."""
+        if self.model_types.get("actor") != "causal_lm":  # a plugin's model (diffusion) takes no images here
+            return None
+        from polyrl.data.multimodal import load_processor
+
+        model_cfg = self.config.actor.model
+        return load_processor(model_cfg.tokenizer_path or model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
 
     def dp_layout(self, method: str) -> tuple[int, int, bool]:
         """``(dp_rank, dp_size, collects_output)`` of this rank for the batches of ``method``.
@@ -296,6 +308,8 @@ class Worker:
             if not validate:
                 for engine in self._trained_engines():
                     engine.offload()
+            if self.processor is not None:  # each row's images, processed once for this call
+                samples = self._with_image_inputs(samples)
             outputs = run_agent_loops(samples, sampling, self.client, self.agent_loops,
                                       default=self.agent_config.default_loop)
         finally:
@@ -304,7 +318,25 @@ class Worker:
                     engine.onload()
             if self.config.rollout.tensor_parallel_size > 1:
                 _barrier()  # the ranks that lent their device may take it back (also when generation failed)
-        return self.collate_outputs(outputs)
+        batch = self.collate_outputs(outputs)
+        if self.processor is not None:
+            self._add_image_fields(batch, samples)
+        return batch
+
+    def _with_image_inputs(self, samples: list[dict]) -> list[Any]:
+        """``samples`` with ``multi_modal_data`` (the processed images of rows that have any)."""
+        from polyrl.data.multimodal import ImageInputs, attach_image_inputs
+
+        image_inputs = ImageInputs(self.processor)
+        out = attach_image_inputs(samples, image_inputs, self.config.data.image_key)
+        logger.debug("rank %d: %d images processed for %d samples", self.rank, image_inputs.processed, len(samples))
+        return out
+
+    def _add_image_fields(self, batch: TensorDict, samples: list[Any]) -> None:
+        """The images' model inputs and M-RoPE positions of each row (:func:`polyrl.data.multimodal.add_multimodal_fields`)."""
+        from polyrl.data.multimodal import add_multimodal_fields, processor_token_ids
+
+        add_multimodal_fields(batch, [s.get("multi_modal_data") for s in samples], **processor_token_ids(self.processor))
 
     def _trained_engines(self) -> list[Any]:
         """The engines of this worker that hold training state (offloaded while a colocated rollout generates)."""

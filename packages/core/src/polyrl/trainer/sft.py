@@ -24,8 +24,17 @@ from polyrl.models.paths import check_model_paths
 
 
 def sft_examples(rows: list[dict], tokenizer: Any, response_key: str, max_prompt: int, max_response: int,
-                 source: str = "data") -> list[tuple[list[int], list[int]]]:
-    """Tokenize rows into ``(prompt_ids, response_ids)``; errors name the file and row."""
+                 source: str = "data", *, processor: Any = None,
+                 image_key: str = "images") -> list[tuple[list[int], list[int], list[Any]]]:
+    """Tokenize rows into ``(prompt_ids, response_ids, images)``; errors name the file and row.
+
+    A row with images (``image_key``; a vision-language model's ``processor`` renders its prompt, see
+    :func:`polyrl.data.multimodal.encode_image_prompt`) keeps its images, paths resolved against the data
+    file's folder; its prompt is never cut (over ``max_prompt`` it is an error). Text rows get ``[]``.
+    """
+    from polyrl.data.multimodal import encode_image_prompt, row_images
+
+    base_dir = Path(source).resolve().parent if Path(source).exists() else None
     out = []
     for i, row in enumerate(rows):
         if "messages" in row and response_key not in row:
@@ -40,25 +49,47 @@ def sft_examples(rows: list[dict], tokenizer: Any, response_key: str, max_prompt
                     f"(target text), or 'messages'; it has {sorted(row)}"
                 )
             prompt, response = row["prompt"], row[response_key]
+        response_ids = tokenizer(str(response), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        images = row_images(row, image_key)
+        if images:
+            if processor is None:
+                raise DataError(f"{source} row {i} has images ('{image_key}') but the model is text-only (it has no "
+                                "image processor): train a vision-language model, or drop the images column")
+            try:
+                prompt_ids, images, _ = encode_image_prompt(prompt, images, processor, base_dir=base_dir)
+            except ValueError as exc:
+                raise DataError(f"{source} row {i}: {exc}") from None
+            if len(prompt_ids) > max_prompt:  # cutting would cut an image's tokens
+                raise DataError(f"{source} row {i}: prompt is {len(prompt_ids)} tokens with its images, over "
+                                f"data.max_prompt_length={max_prompt}; raise it")
+            out.append((prompt_ids, response_ids[:max_response], images))
+            continue
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         prompt_ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
         if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
             prompt_ids = prompt_ids["input_ids"]
-        response_ids = tokenizer(str(response), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        out.append((list(prompt_ids)[-max_prompt:], response_ids[:max_response]))
+        out.append((list(prompt_ids)[-max_prompt:], response_ids[:max_response], []))
     return out
 
 
-def sft_batch(examples: list[tuple[list[int], list[int]]], pad_token_id: int) -> TensorDict:
-    """A training batch (protocol field names) from tokenized SFT examples."""
+def sft_batch(examples: list[tuple[list[int], list[int], list[Any]]], pad_token_id: int, *,
+              processor: Any = None) -> TensorDict:
+    """A training batch (protocol field names) from tokenized SFT examples; with a vision-language model's
+    ``processor``, the examples' images (each processed once per batch) and M-RoPE positions too."""
     from polyrl.agent_loops import collate
     from polyrl.protocols import AgentLoopOutput
 
-    outputs = [AgentLoopOutput(prompt_ids=p, response_ids=r, response_mask=[1] * len(r)) for p, r in examples]
-    p_len = max(len(p) for p, _ in examples)
-    r_len = max(len(r) for _, r in examples)
-    return collate(outputs, pad_token_id=pad_token_id, max_prompt_length=p_len, max_response_length=r_len)
+    outputs = [AgentLoopOutput(prompt_ids=e[0], response_ids=e[1], response_mask=[1] * len(e[1])) for e in examples]
+    p_len = max(len(e[0]) for e in examples)
+    r_len = max(len(e[1]) for e in examples)
+    batch = collate(outputs, pad_token_id=pad_token_id, max_prompt_length=p_len, max_response_length=r_len)
+    if processor is not None:
+        from polyrl.data.multimodal import ImageInputs, add_multimodal_fields, processor_token_ids
+
+        images = ImageInputs(processor)
+        add_multimodal_fields(batch, [images.inputs(e[2]) for e in examples], **processor_token_ids(processor))
+    return batch
 
 
 class SFTTrainer:
@@ -75,13 +106,18 @@ class SFTTrainer:
         model = config.actor.model
         check_model_paths(model, "actor.model")  # before transformers retries an unreachable Hub
         self.tokenizer = AutoTokenizer.from_pretrained(model.tokenizer_path or model.path)
+        from polyrl.data.multimodal import load_processor
+
+        #: A vision-language model's processor (rows with images), else None.
+        self.processor = load_processor(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)
         rows: list[dict] = []
         examples = []
         for file in config.data.train_files:
             file_rows = load_rows(file)
             rows += file_rows
             examples += sft_examples(file_rows, self.tokenizer, config.response_key, config.data.max_prompt_length,
-                                     config.data.max_response_length, source=str(file))
+                                     config.data.max_response_length, source=str(file), processor=self.processor,
+                                     image_key=config.data.image_key)
         if not examples:
             raise DataError("data.train_files holds no rows to train on")
         self.examples = examples
@@ -131,7 +167,7 @@ class SFTTrainer:
                         rng.shuffle(fresh)
                     order += fresh
                 idx, order = order[:bs], order[bs:]
-                batch = sft_batch([self.examples[i] for i in idx], self.tokenizer.pad_token_id)
+                batch = sft_batch([self.examples[i] for i in idx], self.tokenizer.pad_token_id, processor=self.processor)
                 start = time.perf_counter()
                 if step in self.profile_steps:
                     profiler.start(step)
