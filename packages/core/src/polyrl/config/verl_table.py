@@ -467,7 +467,9 @@ def _role_entries(prefix: str, section: str, *, ref: bool = False, critic: bool 
           for key in ("context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size")],
         *[Mapped(f"{prefix}.megatron.override_transformer_config.{key}", f"{section}.megatron.{key}",
                  _plugin(prefix, section, "megatron", key))
-          for key in ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")],
+          # a ref only infers: nothing to recompute (its keys fall under override_transformer_config.*)
+          for key in ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
+          if not ref],
         *[Mapped(f"{prefix}.megatron.override_transformer_config.{key}", f"{section}.megatron.{key}",
                  _plugin(prefix, section, "megatron", key),
                  note="a megatron-core field verl users add with `+`; not in verl's default tree (polyrl only "
