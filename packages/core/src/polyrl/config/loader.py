@@ -21,9 +21,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from polyrl.errors import ConfigError
 
-#: Role sections whose plugin block is named after ``engine``, and the rollout named after ``name``.
+#: Role sections whose plugin block is named after ``engine``, and the rollouts named after ``name`` (a dotted
+#: section is a block inside another: the reward model's judge rollout).
 _PLUGIN_BLOCKS = {"actor": ("engine", "engine"), "critic": ("engine", "engine"), "ref": ("engine", "engine"),
-                  "rollout": ("name", "rollout"), "trainer": ("name", "trainer")}
+                  "rollout": ("name", "rollout"), "trainer": ("name", "trainer"),
+                  "reward_model": ("engine", "engine"), "reward_model.rollout": ("name", "rollout")}
 
 
 #: Schema fields the loader fills itself; never suggested or listed to a user.
@@ -193,7 +195,10 @@ def from_dict(schema: type, raw: Mapping, origins: Mapping[str, str] | None = No
     config = build(schema, raw, origins)
     check_values(config, origins)
     for section, (name, block) in plugin_blocks.items():
-        getattr(config, section).plugin_config = _plugin_config(section, name, block, origins, plugins)
+        target = config
+        for part in section.split("."):
+            target = getattr(target, part)
+        target.plugin_config = _plugin_config(section, name, block, origins, plugins)
     return config
 
 
@@ -242,13 +247,21 @@ def _share_model_block(schema: type, raw: dict) -> None:
 
 
 def _pop_plugin_blocks(schema: type, raw: dict) -> dict[str, tuple[str, Any]]:
-    hints = typing.get_type_hints(schema)
     found: dict[str, tuple[str, Any]] = {}
     for section, (name_key, kind) in _PLUGIN_BLOCKS.items():
-        if section not in hints:
+        *parents, leaf = section.split(".")
+        owner_schema: Any = schema
+        owner: Any = raw
+        for part in parents:  # a block inside another (reward_model.rollout)
+            owner_schema = _dataclass_of(typing.get_type_hints(owner_schema).get(part))
+            owner = owner.get(part) if isinstance(owner, dict) else None
+            if owner_schema is None:
+                break
+        hints = typing.get_type_hints(owner_schema) if owner_schema is not None else {}
+        if leaf not in hints:
             continue
-        sub_schema = _dataclass_of(hints[section])
-        block = raw.get(section) or {}
+        sub_schema = _dataclass_of(hints[leaf])
+        block = (owner.get(leaf) if isinstance(owner, dict) else None) or {}
         default = getattr(sub_schema(), name_key, "") if sub_schema else ""
         name = block.get(name_key) or default
         if section == "ref" and not name:
