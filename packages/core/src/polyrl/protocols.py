@@ -32,7 +32,12 @@ if TYPE_CHECKING:  # keep `import polyrl.protocols` free of torch for the CLI's 
     import torch
     from tensordict import TensorDict
 
+#: Roles whose engines only infer: engines build no optimizer for them and never train them (an ``Engine``
+#: factory receives the role's name). Also :data:`polyrl.trainer.roles.INFERENCE_ROLES`.
+INFERENCE_ROLES: frozenset[str] = frozenset({"ref", "reward_model", "teacher"})
+
 __all__ = [
+    "INFERENCE_ROLES",
     "AdvantageEstimator",
     "AgentLoop",
     "AgentLoopOutput",
@@ -163,6 +168,10 @@ class Rollout(GenerationClient, Protocol):
     """
 
     capabilities: RolloutCapabilities
+    #: The longest prompt + response this rollout takes, in tokens (``None``: no limit, or not a token model).
+    #: ``generate`` refuses longer requests; the trainer's batching client merges concurrent agent-loop
+    #: requests only while every merged one still fits.
+    max_model_len: int | None
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Sample every request, as a batch.
@@ -527,12 +536,17 @@ class Platform(Protocol):
     device_type: str  # torch device type: "cpu", "cuda", "npu"
     dist_backend: str  # torch.distributed backend for training: "gloo", "nccl", "hccl"
     weight_sync_backend: str  # collective backend between actor and rollout processes (same values)
-    weight_ipc: str  # colocated weight transfer across processes: "cuda_ipc", "shared_memory" or "none"
     visible_devices_env: str | None  # e.g. "CUDA_VISIBLE_DEVICES"; None for CPU
     ray_resource: str | None  # Ray resource per worker: "GPU", "NPU"; None for CPU
 
     def is_available(self) -> bool:
-        """Whether this machine has the device and its torch extension imports."""
+        """Whether this machine has the device and its torch extension imports. Never raises: a platform
+        that cannot tell answers False (and says why in :meth:`unavailable_reason`)."""
+        ...
+
+    def unavailable_reason(self) -> str:
+        """Why :meth:`is_available` is False, in one line with what to do (``""`` when available): shown in
+        the error of a run that names this platform and in ``platform.json``'s probes."""
         ...
 
     def device_count(self) -> int:
@@ -566,7 +580,9 @@ class Platform(Protocol):
         ...
 
     def memory_stats(self) -> dict[str, float]:
-        """Allocated / reserved / peak memory in GiB (``{}`` where unknown)."""
+        """This process's memory in GiB (``{}`` where unknown): ``allocated_gib``, ``reserved_gib``,
+        ``max_allocated_gib`` on an accelerator, ``max_rss_gib`` (peak resident host memory) on the CPU. The
+        trainer logs them per worker group each step (``perf/<group>/...``, the largest over the ranks)."""
         ...
 
     def worker_env(self) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""One local Ray for the controller tests (worker classes are imported by the workers from this folder)."""
+"""A local Ray per controller test module (worker classes are imported by the workers from this folder)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import tempfile
 import pytest
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def ray_local():
     ray = pytest.importorskip("ray")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -29,7 +29,8 @@ from torch import nn
 from polyrl.batch import require_fields
 from polyrl.errors import ConfigError
 from polyrl_diffusion.models import TextEmbeddings, load_transformer, pipeline_family, transformer_velocity
-from polyrl_diffusion.sampler import gaussian_log_prob, guided, sde_step_mean
+from polyrl_diffusion.sampler import guided, sde_step_mean, step_log_prob
+from polyrl_diffusion.weight_copies import WeightCopy
 from polyrl_engine_fsdp.engine import FSDPEngine, full_tensor
 
 logger = logging.getLogger(__name__)
@@ -92,9 +93,15 @@ class DiffusionRoot(nn.Module):
         out = {"velocity": v.reshape(b, t, *v.shape[1:])}
         if "next_latents" in inputs:
             nxt = inputs["next_latents"].reshape(b * t, *lat.shape[2:]).float()
+            kind = 0  # the rollout's SDE (sampler.SDE_TYPES): Flow-GRPO's, cps or DanceGRPO's
+            if "sde_type" in inputs:
+                kinds = inputs["sde_type"]
+                kind = int(kinds[0])
+                if not bool((kinds == kind).all()):
+                    raise ValueError("a micro-batch mixes SDE types; sample every row of a run with one sde_type")
             mean, std_dev_t, std = sde_step_mean(x.float(), v, sigma, inputs["next_sigmas"].reshape(-1),
-                                                 inputs["noise_levels"].reshape(-1))
-            logp = gaussian_log_prob(nxt, mean, std)
+                                                 inputs["noise_levels"].reshape(-1), kind)
+            logp = step_log_prob(nxt, mean, std, kind)
             safe = torch.where(std > 0, std, torch.ones_like(std))
             entropy = torch.where(std > 0, 0.5 * torch.log(2 * math.pi * math.e * safe**2), torch.zeros_like(std))
             out.update(log_probs=logp.reshape(b, t), entropy=entropy.reshape(b, t).detach(),
@@ -124,6 +131,10 @@ class DiffusersEngine(FSDPEngine):
         if config.use_dynamic_bsz:
             raise ConfigError(f"{role}.use_dynamic_bsz=true: the diffusers engine has fixed-size images; "
                               f"use {role}.micro_batch_size")
+        #: EMA / old-policy copies of the trained weights (:meth:`add_weight_copy`), and the one
+        #: :meth:`weights_for_rollout` serves (``None``: the trained weights themselves)
+        self.weight_copies: dict[str, WeightCopy] = {}
+        self.rollout_weights: str | None = None
         super().__init__(config, role=role, model_type=model_type, platform=platform)
 
     # ------------------------------------------------------------------ construction (FSDPEngine's extension points)
@@ -199,7 +210,15 @@ class DiffusersEngine(FSDPEngine):
         """A pipeline folder at ``path``: the source folder's other components (text encoders, tokenizer, VAE,
         scheduler, ``model_index.json``) copied, and ``transformer/`` with the trained weights (LoRA merged, or
         with ``diffusers.lora_export: adapter`` the source's transformer and the peft adapter folder
-        ``transformer_lora/``, for ``PeftModel.from_pretrained``). Collective."""
+        ``transformer_lora/``, for ``PeftModel.from_pretrained``). With an EMA (``trainer.flow_grpo.ema``) the
+        EMA's weights are written, as the references save theirs. Collective."""
+        if "ema" in self.weight_copies and not getattr(self, "_exporting_ema", False):
+            self._exporting_ema = True
+            try:
+                with self.weight_copy("ema"):
+                    return self.export_hf(path)
+            finally:
+                self._exporting_ema = False
         out = Path(path)
         adapter = self.lora and self.fsdp.lora_export == "adapter"
         if adapter:  # peft's own names (with the adapter name), which its save_pretrained expects
@@ -238,8 +257,80 @@ class DiffusersEngine(FSDPEngine):
             dist.barrier()
 
     def offload(self) -> None:
-        """As the fsdp engine (a no-op on CPU)."""
+        """As the fsdp engine (a no-op on CPU), the weight copies too."""
         super().offload()
+        if self.device.type != "cpu" and not self.fsdp.param_offload:
+            for copy in self.weight_copies.values():
+                copy.to("cpu")
+
+    def onload(self) -> None:
+        """As the fsdp engine, the weight copies too."""
+        super().onload()
+        if self.device.type != "cpu" and not self.fsdp.param_offload:
+            for copy in self.weight_copies.values():
+                copy.to(self.device)
+
+    # ------------------------------------------------------------------ weight copies (EMA, DiffusionNFT's old policy)
+    def trainable_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, parameter)`` of the trained parameters (the LoRA tensors of a LoRA actor), this rank's shards."""
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    def add_weight_copy(self, name: str, *, ema: tuple[float, int] | None = None) -> None:
+        """Keep a copy ``name`` of the trained weights as they are now; ``ema=(decay, update_interval)`` updates it
+        after every optimizer step (:meth:`WeightCopy.after_optimizer_step`). Saved with the checkpoints."""
+        self.weight_copies[name] = WeightCopy(self.trainable_parameters(), ema=ema)
+
+    def update_weight_copy(self, name: str, weight: float) -> None:
+        """``copy += weight * (w - copy)`` (DiffusionNFT's soft update with ``weight = 1 - decay``)."""
+        self.weight_copies[name].lerp_(self.trainable_parameters(), weight)
+
+    def weight_copy(self, name: str) -> Any:
+        """A context manager inside which the model holds the copy ``name`` (forward passes, export)."""
+        return self.weight_copies[name].swapped_in(self.trainable_parameters())
+
+    def train_batch(self, batch: TensorDict, loss_fn: Any, *, temperature: float = 1.0) -> dict[str, float]:
+        """The fsdp engine's optimizer step, then the EMA update (when an EMA copy is kept)."""
+        metrics = super().train_batch(batch, loss_fn, temperature=temperature)
+        if self.weight_copies:
+            params = self.trainable_parameters()
+            for copy in self.weight_copies.values():
+                copy.after_optimizer_step(params, self.step)
+        return metrics
+
+    def weights_for_rollout(self, bucket_bytes: int = 512 << 20) -> Any:
+        """The fsdp engine's buckets, of the copy :attr:`rollout_weights` names when set (DiffusionNFT samples with
+        its old policy; validation with the EMA). Collective."""
+        if self.rollout_weights is None:
+            yield from super().weights_for_rollout(bucket_bytes)
+            return
+        with self.weight_copy(self.rollout_weights):
+            for bucket in super().weights_for_rollout(bucket_bytes):
+                # copies: a gathered tensor may share the parameter's storage, which gets its own values back
+                yield [(n, t.clone()) for n, t in bucket]
+
+    def save_checkpoint(self, path: str) -> None:
+        """The fsdp engine's checkpoint, and this rank's part of each weight copy (``weight_copies_rank<r>.pt``
+        inside it; the trainer renames the whole step folder into place once every file is written)."""
+        super().save_checkpoint(path)
+        if self.weight_copies:
+            torch.save({name: copy.state_dict() for name, copy in self.weight_copies.items()},
+                       Path(path) / f"weight_copies_rank{self.rank}.pt")
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote. A checkpoint written without the copies leaves them as
+        copies of the restored weights, with a warning."""
+        super().load_checkpoint(path)
+        if not self.weight_copies:
+            return
+        file = Path(path) / f"weight_copies_rank{self.rank}.pt"
+        params = self.trainable_parameters()
+        state = torch.load(file, map_location="cpu", weights_only=True) if file.exists() else {}
+        for name, copy in self.weight_copies.items():
+            if name in state:
+                copy.load_state_dict(state[name])
+            else:
+                logger.warning("checkpoint %s holds no %r weight copy: it restarts from its weights", path, name)
+                copy.lerp_(params, 1.0)
 
 
 class _null:

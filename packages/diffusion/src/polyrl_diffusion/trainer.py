@@ -19,7 +19,8 @@ from tensordict import TensorDict
 
 from polyrl.errors import ConfigError
 from polyrl.trainer.ppo import PPOTrainer
-from polyrl_diffusion.config import DiffusersRolloutConfig, FlowGRPOConfig
+from polyrl_diffusion.agent_loop import prompt_text
+from polyrl_diffusion.config import DiffusersRolloutConfig, FlowGRPOConfig, check_numbers
 from polyrl_diffusion.worker import FlowGRPOWorker
 
 log = logging.getLogger("polyrl")
@@ -54,9 +55,17 @@ class FlowGRPOTrainer(PPOTrainer):
         from polyrl_diffusion.models import pipeline_family
 
         self.family, self.tiny = pipeline_family(config.actor.model.path, "actor.model.path")
+        check_image_size(fg, config.actor.model.path)
         rollout_opts = config.rollout.plugin_config
         if not isinstance(rollout_opts, DiffusersRolloutConfig):
             rollout_opts = DiffusersRolloutConfig()
+        check_numbers(rollout_opts, "rollout.diffusers", skip=("sampler",))
+        engine_opts = config.actor.plugin_config
+        if engine_opts is not None and getattr(engine_opts, "fsdp_size", -1) not in (-1,) and engine_opts.fsdp_size < 1:
+            raise ConfigError(f"actor.diffusers.fsdp_size={engine_opts.fsdp_size}: give -1 (every rank) or a divisor "
+                              "of the number of workers")
+        for key, value in advantage_defaults(fg).items():  # the variant's reference; a user's setting wins
+            config.algorithm.extra.setdefault(key, value)
         rollout_opts.sampler = fg  # the workers' rollout samples with the trainer's block
         config.rollout.plugin_config = rollout_opts
         if getattr(config.agent, "default_loop", "single_turn") == "single_turn":
@@ -64,6 +73,19 @@ class FlowGRPOTrainer(PPOTrainer):
         super().__init__(config, manifest=manifest, plugins=plugins)
         if fg.algorithm == "diffusion_nft":  # D2: NFT trains on clean samples, no per-step log-probs
             self.skip_old_log_prob = True
+        kl = fg.nft.kl_coef if fg.algorithm == "diffusion_nft" else fg.kl_coef
+        if kl > 0 and not self.use_ref:  # the KL's reference: the adapter-disabled LoRA actor, else a ref engine
+            if str(config.ref.enable).lower() == "false" and config.actor.model.lora.rank == 0:
+                key = "nft.kl_coef" if fg.algorithm == "diffusion_nft" else "kl_coef"
+                raise ConfigError(f"trainer.flow_grpo.{key}={kl} needs a reference model: train with LoRA "
+                                  "(actor.model.lora.rank > 0; the reference is the adapter-disabled model) or "
+                                  f"leave ref.enable on, or set trainer.flow_grpo.{key}=0")
+            self.use_ref = True
+        self.ema_validation = fg.ema_settings()[0]
+        if self.ema_validation and config.trainer.async_mode != "sync":
+            log.warning("trainer.flow_grpo.ema: with trainer.async_mode=%s validation samples with the trained "
+                        "weights, not the EMA (the rollout keeps generating meanwhile)", config.trainer.async_mode)
+            self.ema_validation = False
 
     # ------------------------------------------------------------------ what differs from text RL
     def build_tokenizer(self) -> Any:
@@ -176,7 +198,19 @@ class FlowGRPOTrainer(PPOTrainer):
 
     def validate(self) -> dict[str, float]:
         """Mean reward per data source of ODE samples with ``trainer.flow_grpo.eval_steps`` steps (one image per
-        validation prompt, seeded: the same noise every time, so the curve shows the model, not the draw)."""
+        validation prompt, seeded: the same noise every time, so the curve shows the model, not the draw). With an
+        EMA (``trainer.flow_grpo.ema``) the rollout samples with the EMA's weights, then gets the run's back."""
+        if not self.ema_validation:
+            return self._validate()
+        self.groups.actor.call_all("serve_rollout_weights", "ema")
+        self.groups.sync_weights()
+        try:
+            return self._validate()
+        finally:
+            self.groups.actor.call_all("serve_rollout_weights", None)
+            self.groups.sync_weights()
+
+    def _validate(self) -> dict[str, float]:
         from polyrl import batch as batch_ops
 
         cfg = self.config
@@ -184,18 +218,108 @@ class FlowGRPOTrainer(PPOTrainer):
         if cfg.data.val_max_samples:
             rows = rows[: cfg.data.val_max_samples]
         per_source: dict[str, list[float]] = defaultdict(list)
+        self._val_images: list[torch.Tensor] = []
         size = cfg.data.val_batch_size or len(rows)
         for start in range(0, len(rows), size):
             part = [dict(r, uid=f"val-{start + i}", _validate=True) for i, r in enumerate(rows[start : start + size])]
             padded = self.pad_rows(part)
             batch = self.generate_batch(padded, 1, validate=True)
-            scores = self.reward_fn(batch).token_level_scores.sum(-1)
+            out = self.reward_fn(batch)
+            batch["token_level_scores"] = out.token_level_scores.float()
+            scores = batch["token_level_scores"].sum(-1)
+            batch_ops.set_non_tensor(batch, "prompt_text", [prompt_text(s.get("prompt")) for s in padded])
+            self.record_validation(batch, keep=[not s.get("_pad") for s in padded])
             sources = batch_ops.non_tensor(batch, "data_source")
             for i, s in enumerate(padded):
                 if not s.get("_pad"):
                     per_source[sources[i] or "images"].append(float(scores[i]))
             self.last_val_images = batch["images"][: len(part)]
         return {f"val/{src}/reward_mean": float(np.mean(v)) for src, v in per_source.items()}
+
+    # ------------------------------------------------------------------ what a validation generated
+    def check_rewards(self) -> None:
+        """Image rewards score images and prompts, not verl's data sources: nothing to check before start."""
+
+    def generation_rows(self, batch: TensorDict, *, step: int, kind: str, keep: list[bool] | None = None) -> list[dict]:
+        """Prompt, reward and sample id of each image (the images themselves go to the PNG grid)."""
+        from polyrl import batch as batch_ops
+
+        prompts = batch_ops.non_tensor(batch, "prompt_text", "")
+        uids = batch_ops.non_tensor(batch, "uid", "")
+        sources = batch_ops.non_tensor(batch, "data_source", "")
+        scores = batch["token_level_scores"].sum(-1).tolist()
+        rows = []
+        for i, score in enumerate(scores):
+            if keep is None or keep[i]:
+                rows.append({"step": step, "kind": kind, "sample_id": uids[i], "data_source": sources[i] or "images",
+                             "prompt": prompts[i], "score": score})
+        return rows
+
+    def record_validation(self, batch: TensorDict, keep: list[bool] | None = None) -> None:
+        """The core's rows, and the batch's images for :meth:`write_validation_media`."""
+        super().record_validation(batch, keep)
+        images = batch["images"] if keep is None else batch["images"][torch.tensor(keep, dtype=torch.bool)]
+        self._val_images = [*getattr(self, "_val_images", []), images]
+
+    def write_validation_media(self, rows: list[dict], directory: Any, step: int) -> None:
+        """``<step>.png`` beside the validation's JSONL: every image with its prompt and reward under it."""
+        images = getattr(self, "_val_images", [])
+        self._val_images = []
+        if not images:
+            return
+        captions = [f"{row['score']:.3f}  {row['prompt']}" for row in rows]
+        write_captioned_grid(torch.cat(images), captions, directory / f"{step}.png")
+
+
+
+def advantage_defaults(flow: FlowGRPOConfig) -> dict[str, Any]:
+    """The ``flow_grpo`` advantage estimator's options of the run's variant, as its reference computes them:
+    Flow-GRPO (and -Fast, DiffusionNFT): the population std of the whole batch plus 1e-4 (``PerPromptStatTracker``
+    with ``global_std: True``); DanceGRPO and MixGRPO: each group's unbiased std plus 1e-8."""
+    if flow.algorithm == "flow_grpo" and (flow.dance_grpo.enable or flow.mix_grpo.enable):
+        return {"global_std": False, "std_unbiased": True, "epsilon": 1e-8}
+    return {"global_std": True, "std_unbiased": False, "epsilon": 1e-4}
+
+
+def check_image_size(flow: FlowGRPOConfig, model_path: str) -> None:
+    """A ConfigError naming ``trainer.flow_grpo.height`` / ``width`` when the size is not a multiple of what the
+    pipeline at ``model_path`` needs (its latent size must be even)."""
+    from polyrl_diffusion.models import pixels_per_latent
+
+    multiple = 2 * pixels_per_latent(model_path)
+    for key in ("height", "width"):
+        value = int(getattr(flow, key))
+        if value and value % multiple:
+            raise ConfigError(f"trainer.flow_grpo.{key}={value}: give a multiple of {multiple} pixels for this "
+                              "model (or 0 for its default size)")
+
+
+def write_captioned_grid(images: torch.Tensor, captions: list[str], path: Any, columns: int = 8,
+                         caption_height: int = 24) -> Any:
+    """A PNG of ``images`` (uint8 ``[N, 3, H, W]``) in rows of ``columns``, each with its caption (cut to fit)
+    in a white strip under it; returns ``path``."""
+    from pathlib import Path
+
+    from PIL import Image, ImageDraw
+
+    n, _, h, w = images.shape
+    cols = min(columns, n)
+    rows = -(-n // cols)
+    sheet = Image.new("RGB", (cols * w, rows * (h + caption_height)), "white")
+    chars = max(1, (w - 2) // 6)  # PIL's default bitmap font is about 6 pixels a character
+    for i in range(n):
+        r, c = divmod(i, cols)
+        x, y = c * w, r * (h + caption_height)
+        sheet.paste(Image.fromarray(images[i].permute(1, 2, 0).numpy()), (x, y))
+        text = captions[i] if i < len(captions) else ""
+        lines = [text[j:j + chars] for j in range(0, len(text), chars)][: max(1, caption_height // 11)]
+        strip = Image.new("RGB", (w, caption_height), "white")  # drawn apart, so text never runs into a neighbour
+        ImageDraw.Draw(strip).multiline_text((2, 1), "\n".join(lines), fill="black", spacing=1)
+        sheet.paste(strip, (x, y + h))
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sheet.save(out)
+    return out
 
 
 def images_grid(images: torch.Tensor, columns: int = 8) -> np.ndarray:

@@ -21,11 +21,8 @@ import contextlib
 import json
 import logging
 import math
-import os
 import random
 import re
-import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,12 +34,12 @@ from tensordict import TensorDict
 from torch import nn
 
 from polyrl.batch import require_fields
+from polyrl.checkpoint_io import atomic_checkpoint_dir, load_dcp, load_json, load_tensors
+from polyrl.distributed import ensure_process_group
 from polyrl.errors import CheckpointError, ConfigError
 from polyrl.lr_schedules import build_lr_scheduler
 from polyrl.models.paths import check_model_path
-from polyrl.protocols import LossScale
-from polyrl.trainer.checkpoint import load_dcp, load_tensors
-from polyrl.trainer.roles import INFERENCE_ROLES
+from polyrl.protocols import INFERENCE_ROLES, LossScale
 from polyrl_engine_fsdp.config import FSDPConfig, check_choice, torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -158,7 +155,7 @@ class FSDPEngine:
         self.fsdp: FSDPConfig = config.plugin_config if isinstance(config.plugin_config, FSDPConfig) else FSDPConfig()
         self.platform = platform or detect_platform()
         self.device = self.platform.current_device()
-        _ensure_process_group(self.platform.dist_backend)
+        ensure_process_group(self.platform.dist_backend)
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
         self.step = 0
         self.lora = config.model.lora.rank > 0
@@ -600,35 +597,23 @@ class FSDPEngine:
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer, LR schedule, RNG and step into the directory ``path``, atomically.
 
-        Written to ``path.tmp-<id>`` (torch.distributed.checkpoint shards, per-rank extras, ``meta.json``)
-        and renamed into place by rank 0 after every rank finished, so a crash leaves the old checkpoint.
+        Every rank writes into a temporary folder (torch.distributed.checkpoint shards, per-rank extras,
+        ``meta.json``) that :func:`polyrl.checkpoint_io.atomic_checkpoint_dir` renames into place once all
+        ranks finished and the file manifest is written, so a crash or a full disk leaves the old checkpoint.
         """
         import torch.distributed.checkpoint as dcp
 
-        final = Path(path)
-        token = [uuid.uuid4().hex[:8] if self._rank == 0 else None]
-        dist.broadcast_object_list(token, src=0)
-        tmp = final.parent / f"{final.name}.tmp-{token[0]}"
-        state = self._dcp_state()
-        dcp.save(state, checkpoint_id=str(tmp))
-        # The device's generator through the platform (CUDA, NPU...; on CPU the same as "torch").
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-               "device": self.platform.rng_state(), "device_type": self.platform.device_type}
-        torch.save({"rng": rng, "scheduler": self.scheduler.state_dict() if self.scheduler else None},
-                   tmp / f"extra_rank{self._rank}.pt")
-        dist.barrier()
-        if self._rank == 0:
-            meta = {"world_size": self._world, "step": self.step, "role": self.role, "model_type": self.model_type,
-                    "fingerprint": self._fingerprint(), "format": "polyrl-fsdp-1"}
-            (tmp / "meta.json").write_text(json.dumps(meta))
-            old = None
-            if final.exists():
-                old = final.parent / f"{final.name}.old-{token[0]}"
-                os.replace(final, old)
-            os.replace(tmp, final)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        dist.barrier()
+        with atomic_checkpoint_dir(path) as tmp:
+            dcp.save(self._dcp_state(), checkpoint_id=str(tmp))
+            # The device's generator through the platform (CUDA, NPU...; on CPU the same as "torch").
+            rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                   "device": self.platform.rng_state(), "device_type": self.platform.device_type}
+            torch.save({"rng": rng, "scheduler": self.scheduler.state_dict() if self.scheduler else None},
+                       tmp / f"extra_rank{self._rank}.pt")
+            if self._rank == 0:
+                meta = {"world_size": self._world, "step": self.step, "role": self.role,
+                        "model_type": self.model_type, "fingerprint": self._fingerprint(), "format": "polyrl-fsdp-1"}
+                (tmp / "meta.json").write_text(json.dumps(meta))
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote; ``CheckpointError`` names a world-size or model mismatch."""
@@ -638,7 +623,11 @@ class FSDPEngine:
         meta_file = folder / "meta.json"
         if not meta_file.exists():
             raise CheckpointError(f"{folder} is not an fsdp engine checkpoint (no meta.json)")
-        meta = json.loads(meta_file.read_text())
+        meta = load_json(meta_file)
+        if meta.get("format", "polyrl-fsdp-1") != "polyrl-fsdp-1":
+            raise CheckpointError(f"{folder} was written by another engine (format {meta.get('format')!r}, expected "
+                                  f"'polyrl-fsdp-1'); load it with the engine that wrote it, or export it to HF and "
+                                  f"set {self.role}.model.path to the export")
         if meta["world_size"] != self._world:
             raise CheckpointError(f"checkpoint {folder} was written by {meta['world_size']} ranks; this {self.role} "
                                   f"group has {self._world}. Resume with the same trainer.n_workers.")
@@ -736,15 +725,6 @@ class FSDPEngine:
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def _ensure_process_group(backend: str) -> None:
-    if dist.is_initialized():
-        return
-    from polyrl.distributed import free_port, init_distributed
-
-    init_distributed(backend, 0, 1, os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                     int(os.environ.get("MASTER_PORT", 0)) or free_port())
 
 
 def _fused_adam_devices() -> set[str]:

@@ -194,7 +194,7 @@ def _keyword_filter(fn: Any, takes: set[str]) -> Any:
         return fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                   **{k: v for k, v in given.items() if k in takes and v is not None})
 
-    del policy_loss.__wrapped__  # type: ignore[attr-defined]  # its own signature is the protocol's, not fn's
+    del policy_loss.__wrapped__  # its own signature is the protocol's, not fn's
     policy_loss.__polyrl_adapts__ = fn  # type: ignore[attr-defined]
     return policy_loss
 

@@ -10,6 +10,7 @@ one rank run in the order they were made, blocking or not.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 from tensordict import TensorDict
 
 from polyrl import batch as batch_ops
+from polyrl.distributed import PORT_ATTEMPTS, port_in_use_error
 from polyrl.platforms.devices import node_local_ranks
 
 
@@ -119,6 +121,8 @@ def wait_any(handles: Sequence[CallHandle], timeout: float | None = None) -> lis
         if done or (deadline is not None and time.monotonic() >= deadline):
             return done
         time.sleep(0.01)
+
+logger = logging.getLogger("polyrl")
 
 
 class WorkerGroup(Protocol):
@@ -264,6 +268,31 @@ class LocalWorkerGroup:
             close()
 
 
+def _wait_all(refs: list[Any]) -> list[Any]:
+    """``ray.get(refs)`` that returns soon after one of them failed: ``ray.get`` waits for every ref, and a rank
+    whose peer died may wait for it until the rendezvous times out (30 minutes). The error raised is the
+    lowest rank's among those that failed within two seconds of the first."""
+    import ray
+
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(done)
+        except Exception:
+            if pending:
+                ray.wait(pending, num_returns=len(pending), timeout=2)
+            for ref in refs:
+                ready, _ = ray.wait([ref], timeout=0)
+                if ready:
+                    try:
+                        ray.get(ref)
+                    except Exception as exc:
+                        raise exc from None
+            raise
+    return ray.get(refs)
+
+
 def _bundle_nodes(placement_group: Any, count: int) -> list[str]:
     """The node id of each bundle of a ready placement group (bundle order = rank order)."""
     from ray.util.placement_group import placement_group_table
@@ -310,11 +339,7 @@ class RayWorkerGroup:
         #: The Ray node id of each rank (rollout replicas must not span nodes: polyrl.rollout.replicas).
         self.node_ids = nodes
         self.local_ranks = node_local_ranks(nodes)
-        if "master_port" in init_kwargs and "master_addr" not in init_kwargs:
-            # torch.distributed meets at rank 0's node (loopback when every rank is on the driver's node)
-            from polyrl.controller.cluster import rendezvous_address
-
-            init_kwargs["master_addr"], init_kwargs["master_port"] = rendezvous_address(nodes)
+        own_rendezvous = "master_port" in init_kwargs and "master_addr" not in init_kwargs
         remote_cls = ray.remote(worker_cls)
         options: dict[str, Any] = {"num_cpus": bundle.get("CPU", 1)}
         extra = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
@@ -322,18 +347,35 @@ class RayWorkerGroup:
             options["num_gpus"] = bundle["GPU"]
         if extra:
             options["resources"] = extra
-        self.workers = [
-            remote_cls.options(
-                name=None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
-                runtime_env={"env_vars": {**env_vars, "LOCAL_RANK": str(self.local_ranks[i]),
-                                          "LOCAL_WORLD_SIZE": str(nodes.count(nodes[i]))}},
-                **options,
-            ).remote(rank=i, world_size=world_size, **init_kwargs)
-            for i in range(world_size)
-        ]
-        # Constructors run concurrently (they meet in init_process_group); wait for all.
-        ray.get([w.ready.remote() for w in self.workers])
+        for attempt in range(PORT_ATTEMPTS):
+            if own_rendezvous:
+                # torch.distributed meets at rank 0's node (loopback when every rank is on the driver's node)
+                from polyrl.controller.cluster import rendezvous_address
+
+                init_kwargs["master_addr"], init_kwargs["master_port"] = rendezvous_address(nodes)
+            self.workers = [
+                remote_cls.options(
+                    name=None,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
+                                                                         placement_group_bundle_index=i),
+                    runtime_env={"env_vars": {**env_vars, "LOCAL_RANK": str(self.local_ranks[i]),
+                                              "LOCAL_WORLD_SIZE": str(nodes.count(nodes[i]))}},
+                    **options,
+                ).remote(rank=i, world_size=world_size, **init_kwargs)
+                for i in range(world_size)
+            ]
+            try:
+                # Constructors run concurrently (they meet in init_process_group); the first failure ends the wait
+                _wait_all([w.ready.remote() for w in self.workers])
+                break
+            except Exception as exc:
+                for w in self.workers:
+                    ray.kill(w)
+                if not (own_rendezvous and port_in_use_error(exc)) or attempt == PORT_ATTEMPTS - 1:
+                    remove_placement_group(self.placement_group)
+                    raise
+                logger.info("worker group '%s': rendezvous port %s was taken before rank 0 used it; starting the "
+                            "group again on another port", name, init_kwargs["master_port"])
         self._worker_cls = worker_cls
         self._layouts: dict[str, DPLayout] = {}
 

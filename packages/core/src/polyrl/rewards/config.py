@@ -106,6 +106,9 @@ class RewardConfig:
     overlong_penalty_factor: float = 1.0
     #: Response length budget used by the overlong penalty (0: the batch's response width).
     max_response_length: int = 0
+    #: Stop the run when every sample's reward call failed (``reward/all_failed``) this many steps in a row; the
+    #: last checkpoint stays as it was (0: never stop).
+    max_failed_steps: int = 3
     #: How the reward function and the reward model combine into a sample's score.
     combine: CombineConfig = field(default_factory=CombineConfig)
     #: Where code rewards run programs: a registered sandbox (``local``, ``sandbox_fusion``) or ``auto``

@@ -10,12 +10,15 @@ train(manifest="polyrl.toml", configs=["my_run.yaml"], overrides=["trainer.total
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from polyrl.errors import CheckpointError, ConfigError
 from polyrl.manifest import Manifest
+
+log = logging.getLogger("polyrl")
 
 
 def _plugins(manifest: str | Path | Manifest | None) -> tuple[Manifest | None, Any]:
@@ -40,13 +43,22 @@ def _check_names(config: Any, pm: Any, sections: Sequence[str]) -> None:
 
 
 def train(manifest: str | Path | Manifest | None = None, configs: Sequence[str | Path] = (),
-          overrides: Sequence[str] = (), *, base: dict | None = None) -> dict[str, float]:
-    """``polyrl train``: RL post-training (PPO / GRPO and family). Returns the final metrics."""
+          overrides: Sequence[str] = (), *, base: dict | None = None, config_format: str = "auto",
+          config_path: str | Path | None = None, config_name: str | None = None,
+          dry_run: bool = False) -> dict[str, float]:
+    """``polyrl train``: RL post-training (PPO / GRPO and family). Returns the final metrics.
+
+    ``config_format`` / ``config_path`` / ``config_name``: the config's layout (``auto``, ``native``, ``verl``;
+    see :func:`polyrl.config.loader.load_config`). ``dry_run``: run every start-up check (plugins and their
+    versions, model paths, data files and columns, reward reachability, layouts, placement) and return ``{}``
+    before any worker starts.
+    """
     from polyrl.config.loader import load_config
     from polyrl.config.schema import PolyrlConfig
 
     manifest, pm = _plugins(manifest)
-    config = load_config(PolyrlConfig, configs, overrides, base=base, plugins=pm)
+    config = load_config(PolyrlConfig, configs, overrides, base=base, plugins=pm, config_format=config_format,
+                         config_path=config_path, config_name=config_name)
     try:
         estimator = pm.entry("advantage_estimator", config.algorithm.adv_estimator)
     except LookupError as exc:
@@ -54,7 +66,13 @@ def train(manifest: str | Path | Manifest | None = None, configs: Sequence[str |
     needs_critic = config.algorithm.adv_estimator == "gae" or estimator.metadata.get("needs_values")
     sections = ["actor", "rollout"] + (["critic"] if needs_critic else [])
     _check_names(config, pm, sections)
-    return _trainer_factory(config, pm)(config, manifest=manifest, plugins=pm).fit()
+    trainer = _trainer_factory(config, pm)(config, manifest=manifest, plugins=pm)
+    if dry_run:
+        trainer.check_placement()
+        log.info("polyrl train --dry-run: every start-up check passed (config, plugins, model, data, rewards, "
+                 "layout, placement); no worker was started")
+        return {}
+    return trainer.fit()
 
 
 def _trainer_factory(config: Any, pm: Any) -> Any:
@@ -86,7 +104,7 @@ def sft(manifest: str | Path | Manifest | None = None, configs: Sequence[str | P
 
 
 def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manifest | None = None,
-           overrides: Sequence[str] = ()) -> Path:
+           overrides: Sequence[str] = (), *, trust_remote_code: bool = False, allow_run_modules: bool = False) -> Path:
     """``polyrl export CKPT --to DIR [key=value ...]``: write a checkpoint's actor as an HF folder.
 
     The folder is what ``save_pretrained`` writes (config, generation config, safetensors sharded with an index
@@ -95,9 +113,17 @@ def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manife
     ``actor.fsdp.export_max_shard_size=2GB``. The actor is built by the run's trainer's worker class
     (``trainer.name``'s ``worker_cls``, e.g. polyrl-diffusion's image worker), so a plugin trainer's checkpoint
     exports in its own format (a diffusion run writes a diffusers pipeline folder).
+
+    A run directory may come from someone else, so exporting it runs nothing from it unless asked
+    (docs/security.md): the checkpoint's files are verified and loaded as data only; a run config that sets
+    ``actor.model.trust_remote_code`` is refused unless ``trust_remote_code`` (``--trust-remote-code``); a
+    ``manifest.lock.toml`` that names ``modules`` to import is refused unless ``allow_run_modules``
+    (``--allow-run-modules``) or another ``manifest`` is given; the run's ``trainer.ray_address`` is ignored
+    (the export runs here) unless an override sets it.
     """
     from polyrl.config.loader import load_config
     from polyrl.config.schema import PolyrlConfig
+    from polyrl.trainer.checkpoint import verify_checkpoint
     from polyrl.trainer.role_groups import open_role_group
 
     ckpt = Path(checkpoint).resolve()
@@ -107,10 +133,28 @@ def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manife
     config_file = run_dir / "config.yaml"
     if not config_file.exists():
         raise CheckpointError(f"{config_file} is missing: export needs the run's config next to its checkpoints")
+    try:
+        verify_checkpoint(ckpt)
+    except CheckpointError as exc:
+        raise CheckpointError(f"polyrl export: the checkpoint is damaged: {exc}; export another checkpoint of the "
+                              "run") from None
     if manifest is None and (run_dir / "manifest.lock.toml").exists():
-        manifest = run_dir / "manifest.lock.toml"
+        manifest = Manifest.load(run_dir / "manifest.lock.toml")
+        if manifest.modules and not allow_run_modules:
+            raise ConfigError(
+                f"{run_dir / 'manifest.lock.toml'} names modules to import ({', '.join(manifest.modules)}): exporting "
+                "would run their code. Pass --allow-run-modules if you trust this run directory, or --manifest with "
+                "a manifest of your own")
     manifest, pm = _plugins(manifest)
     config = load_config(PolyrlConfig, [config_file], overrides, plugins=pm)
+    if config.actor.model.trust_remote_code and not trust_remote_code and not _overridden(
+            overrides, "actor.model.trust_remote_code"):
+        raise ConfigError(
+            f"{config_file} sets actor.model.trust_remote_code=true: exporting would run Python files shipped with "
+            f"the model ({config.actor.model.path}). Pass --trust-remote-code if you trust this run directory and "
+            "that model")
+    if not _overridden(overrides, "trainer.ray_address"):
+        config.trainer.ray_address = ""  # never join a cluster a downloaded config names: the export runs here
     config.trainer.run_dir = str(run_dir)
     worker_cls = getattr(_trainer_factory(config, pm), "worker_cls", None)
     started = open_role_group(config, roles=["actor"], manifest=manifest, name="export", run_dir=run_dir,
@@ -121,6 +165,11 @@ def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manife
     finally:
         started.shutdown()
     return Path(to)
+
+
+def _overridden(overrides: Sequence[str], key: str) -> bool:
+    """Whether a command-line ``key=value`` sets ``key``."""
+    return any(o.split("=", 1)[0].strip() == key for o in overrides)
 
 
 def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:

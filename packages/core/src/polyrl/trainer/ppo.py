@@ -29,7 +29,7 @@ from tensordict import TensorDict
 from polyrl import batch as batch_ops
 from polyrl.agent_loops.runner import agent_metrics, fold_tool_rewards
 from polyrl.algorithms import masked_mean
-from polyrl.config.loader import to_dict, to_yaml
+from polyrl.config.loader import record_dict, to_dict, to_yaml
 from polyrl.errors import ConfigError
 from polyrl.logs import progress_bar, setup_run_logging
 from polyrl.manifest import Manifest
@@ -43,6 +43,7 @@ from polyrl.trainer.checkpoint import (
     truncate_metrics,
 )
 from polyrl.trainer.faults import fault_point
+from polyrl.trainer.generations import reward_extras, sample_ids, write_jsonl
 from polyrl.trainer.role_groups import RoleGroups, build_role_groups, plan_placement
 from polyrl.trainer.roles import RoleSpec
 from polyrl.trainer.run_dir import RunDirLock, prepare_run_dir
@@ -76,6 +77,8 @@ class PPOTrainer:
         cfg = config
         self.run_dir = Path(cfg.trainer.run_dir).expanduser().resolve()  # created (and locked) by fit()
         self._check_config()
+        # before the tokenizer and the data sets are built: a run that cannot score its data stops in seconds
+        self.check_rewards()
         self.tokenizer = self.build_tokenizer()
 
         from polyrl.data import RLDataLoader
@@ -91,6 +94,9 @@ class PPOTrainer:
             )
         steps_per_epoch = len(self.loader)
         self.total_steps = cfg.trainer.total_steps or steps_per_epoch * cfg.trainer.total_epochs
+        from polyrl.profiling import check_profile_steps
+
+        self.profile_steps = check_profile_steps(cfg.trainer.profile.steps, self.total_steps)
         updates = max(1, data.train_batch_size // cfg.actor.ppo_mini_batch_size) * cfg.actor.ppo_epochs
         cfg.actor.optim.total_steps = self.total_steps * updates
         cfg.critic.optim.total_steps = self.total_steps * max(
@@ -181,9 +187,13 @@ class PPOTrainer:
 
         data = self.config.data
 
+        from polyrl.data.dataset import RowColumns
+
         def load(files: Any) -> Any:
             return RLDataset(list(files), self.tokenizer, max_prompt_length=data.max_prompt_length,
-                             truncation=data.truncation, chat_template=data.apply_chat_template)
+                             truncation=data.truncation, chat_template=data.apply_chat_template,
+                             columns=RowColumns.from_config(data),
+                             chat_template_kwargs=dict(data.apply_chat_template_kwargs))
 
         return load(data.train_files), (load(data.val_files) if data.val_files else None)
 
@@ -233,6 +243,50 @@ class PPOTrainer:
         from polyrl.reward_models.scorer import reward_model_spec
 
         return [reward_model_spec(self.config)]
+
+    def check_rewards(self) -> None:
+        """Refuse (one ConfigError) a data file none of whose first rows can reach a reward function: no function
+        for its data source, or no ground truth where the function reads one (:mod:`polyrl.rewards.reachability`).
+        Runs first in ``__init__``, before the tokenizer loads. A plugin trainer whose rewards are not verl reward
+        functions replaces it."""
+        from polyrl.data.dataset import RowColumns, head_rows
+        from polyrl.rewards.reachability import SAMPLE_ROWS, check_rewards_reachable
+
+        cfg = self.config
+        columns = RowColumns.from_config(cfg.data)
+        for key in ("val_files", "train_files"):
+            for file in getattr(cfg.data, key):  # each file on its own: one data source each, usually
+                rows = [columns.normalize(r, str(file), i) for i, r in enumerate(head_rows(file, SAMPLE_ROWS, self.pm))]
+                check_rewards_reachable(rows, cfg.reward, cfg.data, source=f"data.{key} ({file})", plugins=self.pm)
+
+    def check_placement(self) -> None:
+        """The start-up checks :meth:`fit` makes before workers start, without starting them (``--dry-run``): the
+        platform ``trainer.device`` names exists, the placement and the rollout's tensor-parallel replicas fit the
+        workers, and a local run's accelerators suffice for the workers."""
+        from polyrl.controller.cluster import cluster_address
+        from polyrl.platforms import select_platform
+        from polyrl.rollout.replicas import plan_replicas
+
+        cfg = self.config
+        trainer = cfg.trainer
+        placement = self.placement  # trainer.placement, resolved (and its pools checked) in __init__
+        local = trainer.executor == "local"
+        plan_replicas(1 if local else placement.size_of("rollout"), cfg.rollout.tensor_parallel_size)
+        choice = select_platform(trainer.device, self.pm)  # logs the choice: after the checks that cannot log
+        if not local and not placement.shares("actor", "rollout"):
+            from polyrl.trainer.weight_sync import resolve_weight_transfer
+
+            resolve_weight_transfer(cfg, choice.platform)
+        platform = choice.platform
+        if local or cluster_address(cfg) or not platform.ray_resource:
+            return
+        needed = placement.total_workers
+        have = int(platform.device_count())
+        if needed > have:
+            raise ConfigError(f"trainer.placement: the pools ({placement.describe()}) need {needed} {choice.name} "
+                              f"devices; this machine has {have}. Lower the pool sizes (trainer.n_workers, "
+                              "trainer.rollout_workers, trainer.pools; verl: trainer.n_gpus_per_node), or join a "
+                              "cluster (trainer.ray_address)")
 
     def batch_metrics(self, batch: TensorDict) -> dict[str, float]:
         """Scores, advantages, lengths and KL of a trained batch (``critic/*``, ``response_length/*``...)."""
@@ -298,8 +352,18 @@ class PPOTrainer:
             cfg.rollout.response_length = cfg.data.max_response_length
         cfg.rollout.prompt_length = cfg.data.max_prompt_length
 
-    def _write_run_files(self) -> None:
-        """The resolved config and a manifest pinning every loaded plugin distribution, for reruns."""
+    def _select_platform(self) -> Any:
+        """Choose the platform every worker binds (``trainer.device`` resolved); nothing is written yet."""
+        from polyrl.platforms import select_platform
+
+        choice = select_platform(self.config.trainer.device, self.pm)  # logged; raises if a named one is absent
+        self.config.trainer.device = choice.name  # every worker binds the platform chosen (and recorded) here
+        return choice
+
+    def _write_run_files(self, platform_choice: Any) -> None:
+        """The resolved config, a manifest pinning every loaded plugin distribution (for reruns) and the
+        platform record. Written only once a resume was accepted, so a refused one leaves the run's files as
+        they were."""
         (self.run_dir / "config.yaml").write_text(to_yaml(self.config))
         loaded = sorted({(p["distribution"], p["version"]) for p in self.pm.describe()
                          if p["distribution"] and p["distribution"] != "polyrl"})
@@ -309,11 +373,7 @@ class PPOTrainer:
             block=self.manifest.block if self.manifest else (),
         )
         (self.run_dir / "manifest.lock.toml").write_text(lock.to_toml())
-        from polyrl.platforms import select_platform
-
-        choice = select_platform(self.config.trainer.device, self.pm)  # logged; raises if a named one is absent
-        choice.write(self.run_dir)  # platform.json: the platform, why, and what each probe answered
-        self.config.trainer.device = choice.name  # every worker binds the platform chosen (and recorded) here
+        platform_choice.write(self.run_dir)  # platform.json: the platform, why, and what each probe answered
 
     def sampling_params(self, validate: bool = False) -> SamplingParams:
         """How the rollout samples this step (``rollout.*``; one seed per step) or, with ``validate``, for
@@ -341,12 +401,17 @@ class PPOTrainer:
         try:
             setup_run_logging(self.run_dir)  # RUN_DIR/train.log, appended on resume
             resume_from = self._resume_point()
-            self._write_run_files()
+            platform_choice = self._select_platform()
             self.groups = build_role_groups(cfg, manifest=self.manifest, use_ref=self.use_ref, worker_cls=self.worker_cls,
                                             use_critic=self.use_critic, run_dir=self.run_dir,
                                             extra_roles=self.role_specs)
+            if resume_from is not None:
+                # the engines check the checkpoint (engine, model, world size) before any run file changes
+                self._load(resume_from)
+                self._drop_later_metrics(resume_from)
+            self._write_run_files(platform_choice)
             tracker = Tracker(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
-                              experiment=cfg.trainer.experiment_name, config=to_dict(cfg),
+                              experiment=cfg.trainer.experiment_name, config=record_dict(cfg),
                               resume=resume_from is not None)
         except BaseException:
             if self.groups is not None:
@@ -356,27 +421,33 @@ class PPOTrainer:
         last_val: dict[str, float] = {}
         metrics: dict[str, float] = {}
         try:
-            if resume_from is not None:
-                self._load(resume_from)
-            else:
+            if resume_from is None:
                 self.groups.sync_weights()
             if self.val_set is not None and cfg.trainer.val_before_train and resume_from is None:
-                last_val = self.validate()
+                last_val = self._run_validation()
                 tracker.log(last_val, self.global_step)
+                self._keep_validation(tracker)
+                self._write_report(live=True)
+            failed_steps = 0
             bar = _progress(cfg.trainer.progress_bar, self.total_steps, self.global_step)
+            profiler = self._step_profiler()
             self.rollout_source.start()
             while self.global_step < self.total_steps:
-                metrics = self.step()
+                metrics = self._profiled_step(profiler)  # self.step(), recorded when trainer.profile asks
                 self.global_step += 1
                 is_last = self.global_step >= self.total_steps
                 if self.val_set is not None and cfg.trainer.test_freq and (
                     self.global_step % cfg.trainer.test_freq == 0 or is_last
                 ):
-                    last_val = self.validate()
+                    last_val = self._run_validation()
                     metrics.update(last_val)
                 # metrics first: a checkpoint at step N implies N's metrics line exists (resume re-runs the rest)
                 tracker.log(metrics, self.global_step)
+                self._keep_validation(tracker)
                 fault_point("metrics", self.global_step)
+                self._refresh_report(metrics, is_last)
+                failed_steps = failed_steps + 1 if metrics.get("reward/all_failed", 0.0) >= 1.0 else 0
+                self._check_failed_rewards(failed_steps)
                 if cfg.trainer.save_freq > 0 and (self.global_step % cfg.trainer.save_freq == 0 or is_last):
                     self.save()
                 if bar is not None:
@@ -388,23 +459,132 @@ class PPOTrainer:
             try:
                 self.rollout_source.stop()
                 tracker.close()
+                self._write_report(live=False)
                 self.groups.shutdown()
             finally:
                 self._lock.release()
         return {**metrics, **last_val}
 
+    # ------------------------------------------------------------------ generations and reward failures
+    def _dump_dir(self, kind: str) -> Path | None:
+        """Where ``kind`` (``train`` / ``validation``) generations go (``trainer.rollout_data_dir`` /
+        ``trainer.validation_data_dir``); None when off."""
+        from polyrl.trainer.generations import resolve_dir
+
+        trainer = self.config.trainer
+        if kind == "train":
+            return resolve_dir(trainer.rollout_data_dir, self.run_dir, "generations/train")
+        return resolve_dir(trainer.validation_data_dir, self.run_dir, "generations/validation")
+
+    def generation_rows(self, batch: TensorDict, *, step: int, kind: str, keep: list[bool] | None = None) -> list[dict]:
+        """The JSON rows of what ``batch`` holds (:func:`polyrl.trainer.generations.generation_rows`); a plugin trainer
+        whose samples are not text (images) replaces it."""
+        from polyrl.trainer.generations import generation_rows
+
+        return generation_rows(batch, self.tokenizer, step=step, kind=kind, keep=keep)
+
+    def record_validation(self, batch: TensorDict, keep: list[bool] | None = None) -> None:
+        """Called by :meth:`validate` with each scored validation batch (``keep``: False for padding rows); the rows
+        are written and shown in the trackers once the validation ends."""
+        if self._dump_dir("validation") is None and not self.config.trainer.log_val_generations:
+            return
+        self._val_rows = getattr(self, "_val_rows", [])
+        self._val_rows += self.generation_rows(batch, step=self.global_step, kind="validation", keep=keep)
+
+    def write_validation_media(self, rows: list[dict], directory: Path, step: int) -> None:
+        """Files beside a validation's JSONL (none for text; polyrl-diffusion writes a PNG grid of the images)."""
+
+    def _run_validation(self) -> dict[str, float]:
+        """:meth:`validate`, its generations collected afresh (see :meth:`record_validation`)."""
+        self._val_rows = []
+        return self.validate()
+
+    def _keep_validation(self, tracker: Any) -> None:
+        """Write the last validation's generations (JSONL, media) and log the first ``log_val_generations`` rows as a
+        table to the trackers."""
+        rows, self._val_rows = getattr(self, "_val_rows", []), []
+        if not rows:
+            return
+        directory = self._dump_dir("validation")
+        if directory is not None:
+            write_jsonl(directory / f"{self.global_step}.jsonl", rows)
+            self.write_validation_media(rows, directory, self.global_step)
+        if self.config.trainer.log_val_generations:
+            tracker.log_generations(rows[: self.config.trainer.log_val_generations], self.global_step)
+
+    def _check_failed_rewards(self, failed_steps: int) -> None:
+        """Stop the run when ``reward/all_failed`` held for ``reward.max_failed_steps`` steps in a row."""
+        limit = self.config.reward.max_failed_steps
+        if not limit or failed_steps < limit:
+            return
+        from polyrl.errors import RewardError
+
+        last = self.ckpt.latest()
+        kept = f"the last checkpoint ({last}) is kept as it was" if last else "no checkpoint was written"
+        raise RewardError(
+            f"every sample's reward call failed for {failed_steps} steps in a row (steps "
+            f"{self.global_step - failed_steps + 1}-{self.global_step}, reward/all_failed): stopping "
+            f"(reward.max_failed_steps={limit}); {kept}. Fix the reward function (its error is in the warnings above "
+            f"and in {self.run_dir / 'train.log'}), then run again to resume")
+
+    def _step_profiler(self) -> Any:
+        """The driver's side of ``trainer.profile`` (None when no step is to be recorded)."""
+        from polyrl.profiling import StepProfiler
+
+        prof = self.config.trainer.profile
+        steps = [s for s in self.profile_steps if s > self.global_step]  # a resumed run records what is left
+        if not steps:
+            return None
+        return StepProfiler(self.groups.distinct(), self.run_dir, steps, memory=prof.memory,
+                            with_stack=prof.with_stack)
+
+    def _profiled_step(self, profiler: Any) -> dict[str, float]:
+        """:meth:`step`, with every worker process recording it when it is one of ``trainer.profile.steps``."""
+        step = self.global_step + 1
+        if profiler is None or not profiler.wants(step):
+            return self.step()
+        profiler.start(step)
+        try:
+            return self.step()
+        finally:
+            written = profiler.stop()
+            log.info("step %d profiled: %d trace files in %s", step, len(written), self.run_dir / "profile" / f"step_{step}")
+
+    def _refresh_report(self, metrics: dict[str, float], is_last: bool) -> None:
+        """Rewrite the live report after a validation and every ``trainer.report_freq`` steps (the final one is
+        written when the run ends)."""
+        freq = self.config.trainer.report_freq
+        validated = any(k.startswith("val/") for k in metrics)
+        if freq and not is_last and (validated or self.global_step % freq == 0):
+            self._write_report(live=True)
+
+    def _write_report(self, *, live: bool) -> None:
+        """``RUN_DIR/report.html`` (``polyrl view``), unless ``trainer.report_freq=0``; a failure to write it
+        is logged, never fatal to the run."""
+        if not self.config.trainer.report_freq or "jsonl" not in self.config.trainer.logger:
+            return
+        from polyrl.report import write_report
+
+        try:
+            write_report(self.run_dir, live=live)
+        except Exception as exc:  # the report is a view of the run: the run goes on without it
+            log.warning("could not write %s: %s", self.run_dir / "report.html", exc)
+
     def _resume_point(self) -> Path | None:
-        """The checkpoint to continue from (checked against this config), with metrics after it dropped."""
+        """The checkpoint to continue from: intact (files verified) and trained with this config."""
         resume_from = resolve_resume(self.config.trainer.resume, self.ckpt)
         if resume_from is None:
             return None
         state = read_state(resume_from)
         self._check_resume_config(state, resume_from)
-        dropped = truncate_metrics(self.run_dir, state["global_step"])
+        return resume_from
+
+    def _drop_later_metrics(self, resume_from: Path) -> None:
+        step = read_state(resume_from)["global_step"]
+        dropped = truncate_metrics(self.run_dir, step)
         if dropped:
             log.info("dropped %d metrics lines logged after step %d by the interrupted run; those steps run again",
-                     dropped, state["global_step"])
-        return resume_from
+                     dropped, step)
 
     def _check_resume_config(self, state: dict[str, Any], path: Path) -> None:
         """Refuse to resume with a config that differs from the checkpoint's, except in keys the user allowed
@@ -414,7 +594,10 @@ class PPOTrainer:
             log.warning("checkpoint %s stores no config; resuming without checking that the config is unchanged", path)
             return
         allowed = list(self.config.trainer.resume_override)
-        diffs = config_differences(saved, to_dict(self.config), allowed)
+        # a key read from the environment is recorded as its ${oc.env:...} text (checkpoints of older polyrl
+        # versions hold the value): it differs only when it differs both ways
+        resolved = {k for k, _, _ in config_differences(saved, to_dict(self.config), allowed)}
+        diffs = [d for d in config_differences(saved, record_dict(self.config), allowed) if d[0] in resolved]
         if diffs:
             shown = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in diffs[:10])
             more = f" (and {len(diffs) - 10} more)" if len(diffs) > 10 else ""
@@ -424,7 +607,7 @@ class PPOTrainer:
                 f"Resume with the same values, allow the change with trainer.resume_override=[{keys}], or start a new "
                 "run (another trainer.run_dir, or trainer.resume=disable)."
             )
-        changed = [k for k, _, _ in config_differences(saved, to_dict(self.config))]
+        changed = [k for k, _, _ in config_differences(saved, record_dict(self.config))]
         if changed:
             log.warning("resuming with changed config keys (allowed by trainer.resume_override): %s", ", ".join(changed))
 
@@ -459,6 +642,8 @@ class PPOTrainer:
             with _timer(timing, "reward"):
                 out = self.reward_fn(batch)
             batch["token_level_scores"] = out.token_level_scores.float()
+            if self._dump_dir("train") is not None:  # the reward's extra columns ride along for the dump
+                batch_ops.set_non_tensor(batch, "reward_extra", reward_extras(out.extra, batch.batch_size[0]))
             fold_tool_rewards(batch, cfg.agent)  # tools' ToolResult.reward, as agent.tool_reward says
             for k, v in out.metrics.items():
                 reward_metrics[k].append(float(v))
@@ -556,6 +741,11 @@ class PPOTrainer:
             self.rollout_source.push_weights()  # sync: groups.sync_weights()
 
         metrics.update(self.rollout_source.end_step(self.global_step + 1, batch))  # async: staleness, sample ids
+        directory = self._dump_dir("train")
+        if directory is not None:  # what was trained, token for token (trainer.rollout_data_dir)
+            write_jsonl(directory / f"{self.global_step + 1}.jsonl",
+                        self.generation_rows(batch, step=self.global_step + 1, kind="train"))
+        metrics.update(groups.memory_metrics())  # perf/<group>/...: each worker group's Platform.memory_stats
         metrics.update(self.batch_metrics(batch))
         metrics.update(agent_metrics(batch))
         timing["step"] = time.perf_counter() - t_step
@@ -575,6 +765,8 @@ class PPOTrainer:
         batch_ops.set_non_tensor(batch, "ground_truth", [(s.get("reward_model") or {}).get("ground_truth") for s in samples])
         batch_ops.set_non_tensor(batch, "extra_info", [s.get("extra_info") or {} for s in samples])
         batch_ops.set_non_tensor(batch, "raw_prompt", [json.dumps(s.get("prompt")) for s in samples])  # a reward model re-templates it
+        if "sample_id" not in batch.keys():
+            batch_ops.set_non_tensor(batch, "sample_id", sample_ids(rows, n))
         return batch
 
     def pad_rows(self, rows: list[dict]) -> list[dict]:
@@ -603,6 +795,9 @@ class PPOTrainer:
             rows = self.pad_rows(rows)
             batch = self.generate_batch(rows, k, validate=True)
             out = self.reward_fn(batch)
+            batch["token_level_scores"] = out.token_level_scores.float()
+            batch_ops.set_non_tensor(batch, "reward_extra", reward_extras(out.extra, batch.batch_size[0]))
+            self.record_validation(batch, keep=[not rows[j // k].get("_pad") for j in range(batch.batch_size[0])])
             correct = out.extra.get("acc") or [float(s > 0) for s in out.token_level_scores.sum(-1).tolist()]
             sources = batch_ops.non_tensor(batch, "data_source")
             if "tool_calls" in batch.keys():
@@ -636,7 +831,7 @@ class PPOTrainer:
             "numpy_rng": _encode_rng(np.random.get_state()),
             "torch_rng": self._torch_rng(),
             "kl_coef": getattr(self.kl_ctrl, "value", None),
-            "config": to_dict(self.config),  # a resume with another config is refused unless allowed
+            "config": record_dict(self.config),  # a resume with another config is refused unless allowed
         }
 
         def save_all(path: str) -> None:

@@ -35,6 +35,10 @@ from polyrl.trainer.weight_sync import WeightSync, make_weight_sync
 
 log = logging.getLogger("polyrl")
 
+#: ``Platform.memory_stats`` keys (GiB) -> the metric names the trainer logs them under (verl's ``perf/*_gb``).
+MEMORY_METRICS = {"max_allocated_gib": "max_memory_allocated_gb", "reserved_gib": "memory_reserved_gb",
+                  "allocated_gib": "memory_allocated_gb", "max_rss_gib": "max_rss_gb"}
+
 
 @dataclass
 class RoleGroups:
@@ -106,6 +110,19 @@ class RoleGroups:
     def _trained_groups(self) -> list[WorkerGroup]:
         return self._distinct([self.roles.get(r) for r in self.trained_roles])
 
+    def memory_metrics(self) -> dict[str, float]:
+        """Each group's memory (``Platform.memory_stats`` of every rank, the largest): ``perf/<group>/<stat>``,
+        ``<group>`` being ``colocated`` (one group for every role) or ``actor`` and ``rollout`` (split)."""
+        named = [("colocated", self.actor)] if self.rollout is self.actor else [("actor", self.actor),
+                                                                               ("rollout", self.rollout)]
+        out: dict[str, float] = {}
+        for label, group in named:
+            for stats in group.call_all("memory_stats"):
+                for key, value in stats.items():
+                    name = f"perf/{label}/{MEMORY_METRICS.get(key, key)}"
+                    out[name] = max(out.get(name, float("-inf")), float(value))
+        return out
+
     def save_checkpoint(self, path: str) -> None:
         """Every group that trains something saves into ``path`` (each rank its trained engines)."""
         for group in self._trained_groups():
@@ -116,9 +133,14 @@ class RoleGroups:
         for group in self._trained_groups():
             group.call_all("load_checkpoint", path)
 
+    def distinct(self) -> list[WorkerGroup]:
+        """Each group once (roles may share a group), in role order: actor, rollout, ref, critic, then the
+        roles beyond those (``reward_model``...)."""
+        return self._distinct([self.actor, self.rollout, self.ref, self.critic, *self.roles.values()])
+
     def shutdown(self) -> None:
         """Stop every group once."""
-        for group in self._distinct([self.actor, self.rollout, self.ref, self.critic, *self.roles.values()]):
+        for group in self.distinct():
             group.shutdown()
         if self.owns_ray:
             import ray

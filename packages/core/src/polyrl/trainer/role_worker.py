@@ -21,6 +21,7 @@ from typing import Any
 from tensordict import TensorDict
 
 from polyrl.manifest import Manifest
+from polyrl.profiling import profiled_call
 from polyrl.protocols import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -279,6 +280,7 @@ class Worker:
                               "use a rollout that does (rollout.name=vllm or sglang)")
 
     # ------------------------------------------------------------------ generation
+    @profiled_call("rollout")
     def generate(self, samples: list[dict], sampling: SamplingParams, *, validate: bool = False) -> TensorDict | None:
         """Run the agent loops on ``samples`` (already repeated ``n`` times) and collate a batch.
 
@@ -327,18 +329,21 @@ class Worker:
     def _bucket_bytes(self) -> int:
         return int(self.config.trainer.weight_bucket_mb) << 20
 
+    @profiled_call("weight_sync")
     def sync_rollout_weights(self) -> dict[str, float]:
         """Colocated: stream the actor's weights into this process's rollout, bucket by bucket."""
         from polyrl.trainer.weight_sync import stream_into_rollout
 
         return stream_into_rollout(self.actor, self.rollout, self._bucket_bytes)
 
+    @profiled_call("weight_sync")
     def gather_weights(self) -> list[list[tuple[str, Any]]] | None:
         """Split placement: every actor rank iterates (collective); rank 0 returns the buckets."""
         from polyrl.trainer.weight_sync import gather_buckets
 
         return gather_buckets(self.actor, self._bucket_bytes, keep=self.rank == 0)
 
+    @profiled_call("weight_sync")
     def load_rollout_weights(self, buckets: list[list[tuple[str, Any]]]) -> None:
         """Split placement: load buckets gathered from the actor group (on a replica's leader)."""
         from polyrl.trainer.weight_sync import load_buckets
@@ -352,6 +357,7 @@ class Worker:
 
         self.weight_group = join_weight_group(self.platform, address, port, rank, size)
 
+    @profiled_call("weight_sync")
     def send_weights(self) -> dict[str, float]:
         """Collective transfer, actor side: every rank gathers, rank 0 broadcasts the buckets."""
         from polyrl.trainer.weight_sync import send_weights
@@ -372,6 +378,7 @@ class Worker:
             sender = self._weight_sender = BackgroundSender()
         return sender.submit(self.actor, getattr(self, "weight_group", None), self._bucket_bytes)
 
+    @profiled_call("weight_sync")
     def receive_weights(self) -> dict[str, float]:
         """Collective transfer, rollout side (a replica's leader): load the buckets as they arrive."""
         from polyrl.trainer.weight_sync import receive_weights
@@ -379,6 +386,10 @@ class Worker:
         if self.rollout is not None:
             self.rollout.wake_up()
         return receive_weights(self.weight_group, self.rollout)
+
+    def memory_stats(self) -> dict[str, float]:
+        """This process's memory in GiB, as its platform reports it (``Platform.memory_stats``)."""
+        return dict(self.platform.memory_stats())
 
     def sleep_rollout(self) -> None:
         """Release the rollout's accelerator memory before training (colocated)."""
@@ -388,11 +399,13 @@ class Worker:
             self.rollout.sleep(1)
 
     # ------------------------------------------------------------------ inference
+    @profiled_call("actor")
     def compute_log_prob(self, batch: TensorDict) -> TensorDict:
         """Old log-probs and entropy under the current actor."""
         out = self.actor.infer_batch(batch, temperature=self.config.rollout.temperature, compute_entropy=True)
         return out.select("log_probs", "entropy")
 
+    @profiled_call("ref")
     def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict:
         """Reference log-probs: a separate engine, or the LoRA actor with its adapter disabled."""
         temperature = self.config.rollout.temperature
@@ -400,6 +413,7 @@ class Worker:
             return self.ref.infer_batch(batch, temperature=temperature).select("log_probs")
         return self.actor.infer_batch(batch, temperature=temperature, disable_adapter=True).select("log_probs")
 
+    @profiled_call("critic")
     def compute_values(self, batch: TensorDict) -> TensorDict:
         """Critic values for each response token."""
         return self.critic.infer_batch(batch).select("values")
@@ -430,6 +444,7 @@ class Worker:
         return [tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in results]
 
     # ------------------------------------------------------------------ updates
+    @profiled_call("actor")
     def update_actor(self, batch: TensorDict) -> dict[str, float]:
         """PPO epochs over mini-batches of this rank's shard; metrics averaged over steps."""
         from polyrl.trainer.losses import make_actor_loss
@@ -439,6 +454,7 @@ class Worker:
         return self.run_update_epochs(self.actor, batch, loss, cfg, shuffle=cfg.shuffle,
                                       temperature=self.config.rollout.temperature)
 
+    @profiled_call("critic")
     def update_critic(self, batch: TensorDict) -> dict[str, float]:
         """Value-loss epochs over mini-batches of this rank's shard."""
         from polyrl.trainer.losses import make_critic_loss
@@ -483,11 +499,32 @@ class Worker:
         return run_update_epochs(engine, batch, self.mini_batch_rows(engine, role_config), role_config.ppo_epochs,
                                  loss_fn, shuffle=shuffle, seed=engine.dp_rank, temperature=temperature)
 
+    @profiled_call("actor")
     def sft_step(self, batch: TensorDict) -> dict[str, float]:
         """One supervised optimizer step (``polyrl sft``)."""
         from polyrl.trainer.losses import sft_loss
 
         return self.actor.train_batch(batch, sft_loss)
+
+    # ------------------------------------------------------------------ profiling
+    def profile_name(self) -> str:
+        """This process's name in trace files: its roles and rank (``actor-ref-rollout_rank0``)."""
+        order = ["actor", "ref", "critic", "rollout"]
+        roles = sorted(self.roles, key=lambda r: order.index(r) if r in order else len(order))
+        return f"{'-'.join(roles)}_rank{self.rank}"
+
+    def start_profile(self, step: int, out_dir: str, *, memory: bool = False, with_stack: bool = False) -> None:
+        """Record this process with torch.profiler until :meth:`stop_profile` (``trainer.profile``)."""
+        from polyrl.profiling import ProfileRecorder
+
+        recorder = ProfileRecorder(self.platform, self.profile_name(), memory=memory, with_stack=with_stack)
+        recorder.start(step, out_dir)
+        self._profile_recorder = recorder
+
+    def stop_profile(self) -> list[str]:
+        """Stop recording and write the trace; returns the files written (none when not recording)."""
+        recorder, self._profile_recorder = getattr(self, "_profile_recorder", None), None
+        return recorder.stop() if recorder is not None else []
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpointed_engines(self) -> list[tuple[str, Any]]:

@@ -36,6 +36,7 @@ import torch
 from tensordict import TensorDict
 
 from polyrl import batch as batch_ops
+from polyrl.checkpoint_io import load_tensors
 from polyrl.controller.worker_group import CallHandle, WorkerGroup, wait_any
 from polyrl.errors import ConfigError
 
@@ -160,6 +161,22 @@ class Snapshot:
             torch.save(self.tensors, Path(path) / QUEUE_FILE)
 
 
+def pending_prompts(state: dict[str, Any] | None) -> list[dict]:
+    """The prompts a checkpoint's rollout-source state had drawn from the loader but not trained on, in the
+    order they were drawn: ``one_step_off_policy``'s prefetched batch, ``fully_async``'s finished groups, the
+    chunks in flight and the prompts waiting. A source of another mode generates them again."""
+    if not state:
+        return []
+    rows = [g["row"] for g in state.get("groups") or []]
+    return rows + list(state.get("rows") or []) + list(state.get("pending_rows") or [])
+
+
+def _log_handover(state: dict[str, Any] | None, mode: str, count: int) -> None:
+    if state and state.get("mode") not in (None, mode) and count:
+        log.warning("the checkpoint is from trainer.async_mode=%s: the %d prompts it had queued are generated again "
+                    "in %s before new ones", state.get("mode"), count, mode)
+
+
 # ---------------------------------------------------------------------- sync
 
 
@@ -171,6 +188,18 @@ class RolloutSource:
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.n = trainer.config.rollout.n
+        #: prompts a checkpoint of another mode had queued or in flight: trained before new ones are drawn
+        self._carry: deque[dict] = deque()
+
+    def _rows(self) -> list[dict]:
+        """The next batch's prompts: carried-over ones first, then the loader's (its rest is carried on)."""
+        t = self.trainer
+        if not self._carry:
+            return t.next_rows()
+        size = t.config.data.train_batch_size
+        while len(self._carry) < size:
+            self._carry.extend(t.next_rows())
+        return [self._carry.popleft() for _ in range(size)]
 
     def start(self) -> None:
         """Called once the workers run and hold the starting (or resumed) weights."""
@@ -180,8 +209,7 @@ class RolloutSource:
         """The next prompt groups with their samples (rows ``n`` per prompt). ``groups``: how many the step
         still needs (fewer in dynamic sampling's later rounds); a source that generates whole batches
         (``sync``, ``one_step_off_policy``) returns a batch's worth anyway."""
-        t = self.trainer
-        return t.generate_batch(t.next_rows(), self.n, validate=False)
+        return self.trainer.generate_batch(self._rows(), self.n, validate=False)
 
     def push_weights(self) -> None:
         """After the actor update: the rollout gets the new weights."""
@@ -193,10 +221,16 @@ class RolloutSource:
 
     def snapshot(self) -> Snapshot:
         """The state a checkpoint stores."""
+        if self._carry:
+            return Snapshot(self.trainer.loader.state_dict(), {"mode": self.mode, "pending_rows": list(self._carry)})
         return Snapshot(self.trainer.loader.state_dict())
 
     def restore(self, path: str | Path, state: dict[str, Any] | None) -> None:
-        """Continue from a checkpoint's :meth:`snapshot` (the loader is already restored)."""
+        """Continue from a checkpoint's :meth:`snapshot` (the loader is already restored). A checkpoint of
+        another ``trainer.async_mode`` hands over the prompts it had queued or in flight (:func:`pending_prompts`):
+        they are trained first, none lost, none twice."""
+        self._carry.extend(pending_prompts(state))
+        _log_handover(state, self.mode, len(self._carry))
 
     def stop(self) -> None:
         """Stop background work (the run ends or failed)."""
@@ -234,7 +268,6 @@ class OneStepOffPolicySource(RolloutSource):
         self._pending: list[tuple[CallHandle, list[dict]]] | None = None
         self._pending_rows: list[dict] | None = None
         self._pending_version = 0
-        self._restored_rows: list[dict] | None = None
         self.version = 0  # the policy version the rollout holds
 
     def start(self) -> None:
@@ -249,18 +282,15 @@ class OneStepOffPolicySource(RolloutSource):
         self._pending_rows, self._pending_version = rows, self.version
 
     def next_batch(self, groups: int | None = None) -> TensorDict:
-        t = self.trainer
         if self._pending is None:  # first step (or first after resume): nothing prefetched
-            rows = self._restored_rows or t.next_rows()
-            self._restored_rows = None
-            self._issue(rows, 0)
+            self._issue(self._rows(), 0)
         refs, version = self._pending, self._pending_version
         parts = [(handle.result(), rows) for handle, rows in refs]
         rows = [r for _, part in parts for r in part]
         batch = batch_ops.concat([b for b, _ in parts]) if len(parts) > 1 else parts[0][0]
         self._pending = None
         # the next step's generation starts now, on the weights the rollout holds (this step's trains meanwhile)
-        self._issue(t.next_rows(), 1)
+        self._issue(self._rows(), 1)
         return attach_sample_fields(batch, rows, self.n, version)
 
     def push_weights(self) -> None:
@@ -273,12 +303,8 @@ class OneStepOffPolicySource(RolloutSource):
 
     def snapshot(self) -> Snapshot:
         # the prefetched prompts were drawn from the loader: a resumed run generates them again
-        rows = self._pending_rows if self._pending is not None else None
-        return Snapshot(self.trainer.loader.state_dict(), {"mode": self.mode, "pending_rows": rows})
-
-    def restore(self, path: str | Path, state: dict[str, Any] | None) -> None:
-        if state and state.get("pending_rows"):
-            self._restored_rows = list(state["pending_rows"])
+        rows = (list(self._pending_rows or []) if self._pending is not None else []) + list(self._carry)
+        return Snapshot(self.trainer.loader.state_dict(), {"mode": self.mode, "pending_rows": rows or None})
 
     def stop(self) -> None:
         for handle, _ in self._pending or []:  # the prefetch is not needed any more (its prompts are in a snapshot)
@@ -492,14 +518,15 @@ class StreamingSource(RolloutSource):
     def restore(self, path: str | Path, state: dict[str, Any] | None) -> None:
         if not state:
             return
-        if state.get("mode") != self.mode:
-            log.warning("the checkpoint's sample queue is from trainer.async_mode=%s; its prompts are generated "
-                        "again", state.get("mode"))
+        if state.get("mode") != self.mode:  # another mode's queue: its prompts are generated again, first
+            self.todo.extend(pending_prompts(state))
+            _log_handover(state, self.mode, len(self.todo))
+            return
         file = Path(path) / QUEUE_FILE
-        tensors = torch.load(file, weights_only=True) if file.exists() else {}
+        tensors = load_tensors(file) if file.exists() else {}
         groups = []
         for i, g in enumerate(state.get("groups") or []):
-            if state.get("mode") != self.mode or f"{i}/responses" not in tensors:
+            if f"{i}/responses" not in tensors:
                 self.todo.append(g["row"])
                 continue
             fields = {k[len(f"{i}/"):]: v for k, v in tensors.items() if k.startswith(f"{i}/")}
