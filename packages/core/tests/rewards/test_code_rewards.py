@@ -136,9 +136,9 @@ def test_function_call_and_assert_styles():
 
 @needs_ns
 def test_at_most_num_workers_programs_run_at_once_through_the_reward_manager():
-    from polyrl.rewards.managers import NaiveRewardManager
-    from polyrl.rewards.code import build_code_scorer
     from polyrl.models.tiny import build_char_tokenizer
+    from polyrl.rewards.code import build_code_scorer
+    from polyrl.rewards.managers import NaiveRewardManager
 
     tok = build_char_tokenizer()
     reward = RewardConfig(num_workers=2, timeout_s=60)

@@ -329,7 +329,11 @@ class FSDPEngine:
                 offset += p.numel()
 
     def _load_hf(self, path: str, hf_config: Any, dtype: torch.dtype, mcfg: Any) -> nn.Module:
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
+        from transformers import (
+            AutoModelForCausalLM,
+            AutoModelForSequenceClassification,
+            AutoModelForTokenClassification,
+        )
 
         archs = hf_config.architectures or []
         # a value model loaded from a token or sequence classifier (an exported critic, a reward model) keeps its

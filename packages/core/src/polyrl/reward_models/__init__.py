@@ -29,4 +29,5 @@ _EXPORTS = {
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS)
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["JudgeConfig", "RewardModelConfig", "RewardModelInputs", "RewardModelScorer", "check_reward_model",
+           "parse_boxed", "parse_json", "parse_score_line", "reward_model_spec"]

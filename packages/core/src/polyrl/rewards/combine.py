@@ -240,7 +240,7 @@ class RewardComposer:
         final: list[float] = []
         failures = 0
         for i, rule in enumerate(rules):
-            row = {c: v[i] for c, v in scores.items() if v[i] is not None}
+            row = {c: float(x) for c, v in scores.items() if (x := v[i]) is not None}
             try:
                 value = rule.combine(row, sources[i], infos[i] or {})
                 if not math.isfinite(value):

@@ -22,4 +22,4 @@ _EXPORTS = {
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS)
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["CodeSandbox", "ExecutionResult", "LocalSandbox", "SandboxFusionSandbox"]

@@ -89,7 +89,7 @@ class SandboxFusionSandbox:
             if isinstance(reason, (TimeoutError, socket.timeout)):
                 return None, None, f"no answer within {timeout:g} s"
             return None, None, f"cannot connect ({reason})"
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             return None, None, f"no answer within {timeout:g} s"
         except (ConnectionError, OSError) as exc:  # reset mid-answer
             return None, None, f"connection failed ({exc})"
