@@ -138,3 +138,36 @@ def test_a_reward_model_whose_head_gives_two_scores_is_refused_before_workers_st
     assert "\n" not in str(err.value)
     assert "outputs 2 scores per token; a reward model must output one score (num_labels=1)" in str(err.value)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_reward_model_scores_a_data_source_no_reward_function_knows(base_overrides, manifest_file, tmp_path,
+                                                                      reward_model, arithmetic_files):
+    """Chat-style data (no rule for its ``data_source``) trains on the reward model alone: the start-up reward
+    check does not refuse it, and the score is the reward model's."""
+    from polyrl.data.synthetic import write_jsonl
+
+    rows = [json.loads(line) for line in arithmetic_files["train"].read_text().splitlines()]
+    chat = write_jsonl([dict(r, data_source="my_chat") for r in rows], tmp_path / "chat.jsonl")
+    overrides = [o for o in base_overrides if not o.startswith(("data.train_files", "data.val_files", "reward.function"))]
+    train(manifest_file, [], overrides + [
+        f"data.train_files=[{chat}]", "trainer.executor=local", "trainer.total_steps=1", "trainer.test_freq=0",
+        "trainer.val_before_train=false", "reward_model.enable=true", f"reward_model.model.path={reward_model}"])
+    (step,) = [r for r in _metrics(tmp_path / "run") if "critic/score/mean" in r]
+    assert step["critic/score/mean"] == pytest.approx(step["reward/rm/mean"], abs=1e-5) and step["reward/rm/std"] > 0
+    assert "reward/rule/mean" not in step  # no rule scores this data source
+
+
+def test_an_unreachable_sandbox_fusion_url_is_one_line_at_start_up(base_overrides, manifest_file, tmp_path):
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there
+    with pytest.raises(ConfigError) as err:
+        train(manifest_file, [], base_overrides + [
+            "trainer.executor=local", f"reward.sandbox_fusion.url=http://127.0.0.1:{port}/run_code",
+            "reward.sandbox_fusion.retries=0"])
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"reward.sandbox_fusion.url=http://127.0.0.1:{port}/run_code: cannot connect")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -253,6 +253,8 @@ class PPOTrainer:
         from polyrl.rewards.reachability import SAMPLE_ROWS, check_rewards_reachable
 
         cfg = self.config
+        if cfg.reward_model.enable and not _combines_rule(cfg.reward.combine):
+            return  # the reward model scores every sample; the reward function only adds acc where it can
         columns = RowColumns.from_config(cfg.data)
         for key in ("val_files", "train_files"):
             for file in getattr(cfg.data, key):  # each file on its own: one data source each, usually
@@ -885,6 +887,16 @@ def _mean_of(results: dict[str, float] | list[dict[str, float]]) -> dict[str, fl
         return dict(results)
     keys = set().union(*results) if results else set()
     return {k: float(np.mean([r[k] for r in results if k in r])) for k in keys}
+
+
+def _combines_rule(combine: Any) -> bool:
+    """Whether ``reward.combine`` uses the reward function's score (``rule``) for some data source."""
+    blocks = [combine, *[b for b in dict(combine.per_data_source or {}).values() if isinstance(b, dict)]]
+    for block in blocks:
+        get = block.get if isinstance(block, dict) else lambda k, d=None, b=block: getattr(b, k, d)
+        if get("mode", "sum") in ("gate", "function") or "rule" in dict(get("weights", None) or {}):
+            return True
+    return False
 
 
 def _batch_metrics(batch: TensorDict) -> dict[str, float]:
