@@ -105,14 +105,16 @@ def throughput(root: Path, model: Path, rm: Path, samples: int, micro: int) -> d
             "ratio": hf_s / polyrl_s, "max_abs_diff": max(abs(a - b) for a, b in zip(got, want))}
 
 
-def step_seconds(root: Path, model: Path, rm: Path, steps: int, own_pool: bool) -> float:
+def step_seconds(root: Path, model: Path, rm: Path, steps: int, own_pool: bool) -> tuple[float, list[float]]:
+    """The median step time after the first, and each step's ``reward/rm/mean``."""
     from polyrl.data.synthetic import make_arithmetic_rows, write_jsonl
     from polyrl.trainer.commands import train
 
     rows = make_arithmetic_rows(96, seed=0, max_operand=9, ops="+")
     write_jsonl(rows, root / "train.jsonl")
     run = root / ("own" if own_pool else "colocated")
-    placement = ["trainer.placement={actor: main, rollout: main, reward_model: rm}", "trainer.ray_num_cpus=2"] \
+    placement = ["trainer.placement={actor: main, rollout: main, reward_model: rm}", "trainer.pools={rm: 1}",
+                 "trainer.ray_num_cpus=2"] \
         if own_pool else ["trainer.ray_num_cpus=1"]
     train(root / "polyrl.toml", [], [
         f"model.path={model}", f"data.train_files=[{root / 'train.jsonl'}]", "data.train_batch_size=8",
@@ -122,7 +124,8 @@ def step_seconds(root: Path, model: Path, rm: Path, steps: int, own_pool: bool) 
         "reward_model.enable=true", f"reward_model.model.path={rm}", *placement])
     rows_out = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     times = [r["timing/step"] for r in rows_out if "timing/step" in r][1:]
-    return statistics.median(times) if times else float("nan")
+    scores = [r["reward/rm/mean"] for r in rows_out if "reward/rm/mean" in r]
+    return (statistics.median(times) if times else float("nan")), scores
 
 
 def main() -> None:
@@ -143,10 +146,13 @@ def main() -> None:
     print(f"  polyrl reward_model role (fsdp engine): {tp['polyrl_samples_per_s']:.1f} samples/s")
     print(f"  plain transformers forward:             {tp['transformers_samples_per_s']:.1f} samples/s")
     print(f"  ratio polyrl / transformers: {tp['ratio']:.2f}; largest score difference {tp['max_abs_diff']:.2e}")
-    colocated = step_seconds(root, model, rm, args.steps, own_pool=False)
-    own = step_seconds(root, model, rm, args.steps, own_pool=True)
+    colocated, colocated_scores = step_seconds(root, model, rm, args.steps, own_pool=False)
+    own, own_scores = step_seconds(root, model, rm, args.steps, own_pool=True)
     print(f"GRPO step (median after the first, {args.steps} steps): colocated {colocated:.2f} s, "
           f"own pool {own:.2f} s")
+    diff = max((abs(a - b) for a, b in zip(colocated_scores, own_scores)), default=float("nan"))
+    print(f"reward/rm/mean per step, colocated {colocated_scores} vs own pool {own_scores}: largest difference "
+          f"{diff:.2e}")
 
 
 if __name__ == "__main__":

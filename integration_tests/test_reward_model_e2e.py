@@ -171,3 +171,4 @@ def test_an_unreachable_sandbox_fusion_url_is_one_line_at_start_up(base_override
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith(f"reward.sandbox_fusion.url=http://127.0.0.1:{port}/run_code: cannot connect")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
