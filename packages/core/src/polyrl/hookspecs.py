@@ -137,3 +137,24 @@ def register_datasets(register: RegisterFn) -> None:
     """Register dataset loaders (kind ``dataset``): ``obj`` is ``(path, *, config) -> list[dict]``
     returning rows in verl's format. Metadata ``suffixes=[".parquet"]`` picks a loader by file name.
     """
+
+
+@hookspec
+def register_judge_parsers(register: RegisterFn) -> None:
+    """Register judge-output parsers (kind ``judge_parser``) for generative reward models;
+    ``reward_model.judge.parser`` selects one.
+
+    ``obj`` is a callable ``parse(text: str) -> float | None``: the score the judge's verdict states, or ``None``
+    when it states none (the sample then gets ``reward_model.judge.fallback_score`` and counts as a failure).
+    It must not raise for any text.
+    """
+
+
+@hookspec
+def register_sandboxes(register: RegisterFn) -> None:
+    """Register code sandboxes (kind ``sandbox``) that code-execution rewards run programs in;
+    ``reward.sandbox`` selects one.
+
+    ``obj`` is a factory ``(config) -> CodeSandbox`` taking the run's ``reward`` block
+    (:class:`polyrl.rewards.RewardConfig`); see :class:`polyrl.sandboxes.CodeSandbox`.
+    """

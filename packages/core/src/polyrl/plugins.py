@@ -38,6 +38,8 @@ DEFAULT_PLUGINS: list[str] = [
     "polyrl.agent_loops.hooks",
     "polyrl.tools.hooks",
     "polyrl.rewards.hooks",
+    "polyrl.reward_models.hooks",
+    "polyrl.sandboxes.hooks",
     "polyrl.data.hooks",
 ]
 

@@ -32,7 +32,12 @@ if TYPE_CHECKING:  # keep `import polyrl.protocols` free of torch for the CLI's 
     import torch
     from tensordict import TensorDict
 
+#: Roles whose engines only infer: engines build no optimizer for them and never train them (an ``Engine``
+#: factory receives the role's name). Also :data:`polyrl.trainer.roles.INFERENCE_ROLES`.
+INFERENCE_ROLES: frozenset[str] = frozenset({"ref", "reward_model", "teacher"})
+
 __all__ = [
+    "INFERENCE_ROLES",
     "AdvantageEstimator",
     "AgentLoop",
     "AgentLoopOutput",

@@ -33,6 +33,8 @@ HOOK_FOR_KIND: dict[str, str] = {
     "config_schema": "register_config_schemas",
     "trainer": "register_trainers",
     "dataset": "register_datasets",
+    "judge_parser": "register_judge_parsers",
+    "sandbox": "register_sandboxes",
 }
 KINDS: tuple[str, ...] = tuple(HOOK_FOR_KIND)
 

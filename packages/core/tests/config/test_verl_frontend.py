@@ -324,9 +324,10 @@ def test_unknown_verl_key_did_you_mean():
 
 def test_refused_verl_key_says_what_to_do():
     with pytest.raises(ConfigError) as err:
-        verl(["reward_model.enable=True", "trainer.val_only=True"])
+        verl(["reward_model.enable_resource_pool=True", "trainer.val_only=True"])
     msg = str(err.value)
-    assert "'reward_model.enable'=True" in msg and "custom_reward_function.path" in msg and "trainer.val_only" in msg
+    assert "'reward_model.enable_resource_pool'=True" in msg and "trainer.pools={rm: N}" in msg
+    assert "trainer.val_only" in msg
 
 
 def test_both_layouts_mixed_is_refused(tmp_path):

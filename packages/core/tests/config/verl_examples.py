@@ -163,6 +163,8 @@ _RM_LOOP = ("reward_model.enable=True", "reward_model.use_reward_loop=True", "re
             "reward_model.rollout.gpu_memory_utilization=0.8", "reward_model.rollout.tensor_model_parallel_size=1",
             "reward_model.num_workers=8")
 _MEGATRON = "ppo_megatron_trainer"
+#: What an example that scores with a reward model resolves to (the discriminative reward_model role).
+_RM_ON = {"reward_model.enable": True, "reward_model.engine": "fsdp"}
 
 
 def _tuning_lora(model_size: str, *, procs: int, tp: int, mem: float, sp: int, gpus: int, n: int = 5,
@@ -240,7 +242,7 @@ EXAMPLES: dict[str, Example] = {
     "grpo_trainer/run_mistral13b_skyworkrm_hhrlhf.sh": Example(grpo(
         "mistralai/Mistral-Nemo-Instruct-2407", bs=512, pl=4096, rl=2048, mini=128, micro=10, lpm=10, tp=4, n=5,
         gpus=8, kl_loss=False, mem=0.7, extra=(*_RM_LOOP, "reward_model.model.path=Skywork/Skywork-Reward-Llama-3.1-8B")),
-        refused="reward_model.enable"),
+        expect=_RM_ON),
     "grpo_trainer/run_moonlight16b_math_megatron.sh": Example(grpo(
         "/models/Moonlight-16B-A3B", bs=192, pl=1024, rl=2048, mini=64, micro=16, lpm=16, rlpm=16, tp=4, n=5,
         gpus=8, nodes=3, megatron=True, files=GSM8K_MATH, extra=(
@@ -525,14 +527,14 @@ EXAMPLES: dict[str, Example] = {
         "deepseek-ai/deepseek-llm-7b-chat", bs=1024, pl=512, rl=512, mini=256, micro=16, lpm=32, cmicro=32, tp=4, gpus=8,
         extra=("reward_model.sandbox_fusion.url=https://sandbox.example/run_code",
                "reward_model.sandbox_fusion.max_concurrent=128", "reward_model.reward_manager=prime")),
-        refused="reward_model.sandbox_fusion.url"),
+        expect={"reward.sandbox_fusion.url": "https://sandbox.example/run_code"}),
     "ppo_trainer/run_deepseek7b_llm_sp2.sh": Example(ppo(
         "deepseek-ai/deepseek-llm-7b-chat", bs=1024, pl=512, rl=512, mini=256, micro=32, lpm=64, cmicro=64, tp=4, gpus=8,
         mem=0.6, extra=(f"{ARR}.actor.ulysses_sequence_parallel_size=2", "critic.ulysses_sequence_parallel_size=2"))),
     "ppo_trainer/run_deepseek_full_hh_rlhf.sh": Example(ppo(
         "deepseek-ai/deepseek-llm-7b-chat", bs=512, pl=128, rl=128, mini=128, micro=4, lpm=4, cmicro=4, tp=4, gpus=8,
         megatron=True, extra=(*_RM_LOOP, "reward_model.model.path=deepseek-ai/deepseek-llm-7b-chat")),
-        config_name=_MEGATRON, refused="reward_model.enable"),
+        config_name=_MEGATRON, expect={**_RM_ON, "reward_model.engine": "megatron"}),
     "ppo_trainer/run_deepseek_math_gsm8k_megatron.sh": Example(ppo(
         "deepseek-ai/deepseek-llm-7b-chat", bs=1024, pl=1024, rl=512, mini=256, micro=4, lpm=4, cmicro=4, tp=4, gpus=8,
         megatron=True, files=GSM8K_MATH, extra=(*mcore("actor", tp=2, pp=2), *mcore("ref", tp=2, pp=2))),
@@ -580,31 +582,31 @@ EXAMPLES: dict[str, Example] = {
         "/models/Qwen2-7B-Instruct", bs=1024, pl=1024, rl=512, mini=256, micro=16, lpm=16, cmicro=32, tp=1, gpus=8,
         mem=0.6, extra=("data.return_raw_chat=True", f"{ARR}.actor.optim.lr_warmup_steps_ratio=0.1",
                         "critic.optim.lr_warmup_steps_ratio=0.05", *_RM_LOOP,
-                        "reward_model.model.path=/models/FsfairX-LLaMA3-RM-v0.1")), refused="reward_model.enable"),
+                        "reward_model.model.path=/models/FsfairX-LLaMA3-RM-v0.1")), expect=_RM_ON),
     "ppo_trainer/run_qwen2-7b_rm_legacy.sh": Example(ppo(
         "/models/Qwen2.5-3B-Instruct", bs=1024, pl=1024, rl=2048, mini=256, micro=16, lpm=16, cmicro=32, tp=1, gpus=8,
         mem=0.6, extra=("data.return_raw_chat=True", "reward_model.enable=True", "reward_model.use_reward_loop=False",
                         "reward_model.model.path=/models/Skywork-Reward-V2-Llama-3.2-3B",
-                        "reward_model.micro_batch_size_per_gpu=32")), refused="reward_model.enable"),
+                        "reward_model.micro_batch_size_per_gpu=32")), expect=_RM_ON),
     "ppo_trainer/run_qwen2-7b_rm_reward_loop_colocate.sh": Example(ppo(
         "/models/Qwen2.5-3B-Instruct", bs=1024, pl=1024, rl=2048, mini=256, micro=16, lpm=16, cmicro=32, tp=1, gpus=8,
         mem=0.6, extra=("data.return_raw_chat=True", *_RM_LOOP,
-                        "reward_model.model.path=/models/Skywork-Reward-V2-Llama-3.2-3B")), refused="reward_model.enable"),
+                        "reward_model.model.path=/models/Skywork-Reward-V2-Llama-3.2-3B")), expect=_RM_ON),
     "ppo_trainer/run_qwen2-7b_rm_seq_balance.sh": Example(ppo(
         "Qwen/Qwen2-7B-Instruct", bs=4096, pl=4096, rl=4096, mini=512, tp=2, gpus=8, mem=0.5, extra=(
             f"{ARR}.actor.use_dynamic_bsz=True", f"{ARR}.actor.ppo_max_token_len_per_gpu=24000",
             "critic.use_dynamic_bsz=True", "critic.ppo_max_token_len_per_gpu=98304", *_RM_LOOP,
-            "reward_model.model.path=sfairXC/FsfairX-LLaMA3-RM-v0.1")), refused="reward_model.enable"),
+            "reward_model.model.path=sfairXC/FsfairX-LLaMA3-RM-v0.1")), expect=_RM_ON),
     "ppo_trainer/run_qwen2-7b_rm_seq_balance_fused_kernels.sh": Example(ppo(
         "Qwen/Qwen2-7B-Instruct", bs=4096, pl=4096, rl=4096, mini=512, tp=2, gpus=8, mem=0.5, extra=(
             f"{ARR}.model.use_fused_kernels=True", f"{ARR}.model.fused_kernel_options.impl_backend=triton",
             f"{ARR}.actor.use_dynamic_bsz=True", f"{ARR}.actor.ppo_max_token_len_per_gpu=24000", *_RM_LOOP,
-            "reward_model.model.path=sfairXC/FsfairX-LLaMA3-RM-v0.1")), refused="reward_model.enable"),
+            "reward_model.model.path=sfairXC/FsfairX-LLaMA3-RM-v0.1")), expect=_RM_ON),
     "ppo_trainer/run_qwen2-7b_rm_seq_balance_nsys.sh": Example(ppo(
         "Qwen/Qwen2-7B-Instruct", bs=4096, pl=4096, rl=4096, mini=512, micro=2, cmicro=2, tp=2, gpus=8, mem=0.5, extra=(
             f"{ARR}.actor.use_dynamic_bsz=True", f"{ARR}.actor.ppo_max_token_len_per_gpu=12000",
             f"{ARR}.actor.profiler.enable=True", *_RM_LOOP, "reward_model.model.path=sfairXC/FsfairX-LLaMA3-RM-v0.1",
-            "global_profiler.tool=nsys")), refused="reward_model.enable"),
+            "global_profiler.tool=nsys")), expect=_RM_ON),
     "ppo_trainer/run_qwen2-7b_seq_balance.sh": Example(ppo(
         "Qwen/Qwen2-7B-Instruct", bs=4096, pl=4096, rl=4096, mini=512, tp=2, gpus=8, mem=0.5, extra=(
             "data.return_raw_chat=True", f"{ARR}.actor.use_dynamic_bsz=True",
@@ -623,11 +625,11 @@ EXAMPLES: dict[str, Example] = {
     "ppo_trainer/run_qwen2.5-3b_rm_legacy.sh": Example(ppo(
         "/models/Qwen2.5-3B-Instruct", bs=1024, pl=1024, rl=2048, mini=256, micro=16, lpm=16, cmicro=32, tp=1, gpus=8,
         mem=0.6, extra=("reward_model.enable=True", "reward_model.use_reward_loop=False",
-                        "reward_model.model.path=/models/Skywork-Reward-V2-Llama-3.2-3B")), refused="reward_model.enable"),
+                        "reward_model.model.path=/models/Skywork-Reward-V2-Llama-3.2-3B")), expect=_RM_ON),
     "ppo_trainer/run_qwen2.5-3b_rm_reward_loop_colocate.sh": Example(ppo(
         "/models/Qwen2.5-3B-Instruct", bs=1024, pl=1024, rl=2048, mini=256, micro=16, lpm=16, cmicro=32, tp=1, gpus=8,
         mem=0.6, extra=(*_RM_LOOP, "reward_model.model.path=/models/Skywork-Reward-V2-Llama-3.2-3B")),
-        refused="reward_model.enable"),
+        expect=_RM_ON),
     "ppo_trainer/run_qwen3-8b_npu.sh": Example(ppo(
         "Qwen/Qwen3-8B", bs=256, pl=2000, rl=12000, mini=64, micro=1, lpm=1, cmicro=1, tp=1, gpus=8, mem=0.9, extra=(
             "data.shuffle=False", f"{ARR}.actor.ulysses_sequence_parallel_size=2", f"{ARR}.actor.use_dynamic_bsz=True",

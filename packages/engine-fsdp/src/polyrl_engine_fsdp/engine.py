@@ -39,8 +39,7 @@ from polyrl.distributed import ensure_process_group
 from polyrl.errors import CheckpointError, ConfigError
 from polyrl.lr_schedules import build_lr_scheduler
 from polyrl.models.paths import check_model_path
-from polyrl.protocols import ForwardProducts, LossScale
-from polyrl.trainer.roles import INFERENCE_ROLES
+from polyrl.protocols import INFERENCE_ROLES, ForwardProducts, LossScale
 from polyrl_engine_fsdp.config import FSDPConfig, check_choice, torch_dtype
 from polyrl_engine_fsdp.multimodal import embed_with_images
 
@@ -255,7 +254,8 @@ class FSDPEngine:
         ``model.gradient_checkpointing`` is; sets ``self.hf_config`` (what :meth:`export_hf` writes).
 
         This engine: the transformers causal LM (or, for ``model_type="value"``, a token classifier with a
-        scalar head) at ``model.path``. The global seed is set (``<role>.seed``) before it is called.
+        scalar head: a sequence or token classifier's trained ``score`` head, a causal LM's saved TRL / OpenRLHF
+        value head, or a new zero head) at ``model.path``. The global seed is set (``<role>.seed``) before it is called.
         """
         from transformers import AutoConfig
 
@@ -264,7 +264,8 @@ class FSDPEngine:
         path = mcfg.path
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=mcfg.trust_remote_code, **mcfg.override_config)
         archs = getattr(hf_config, "architectures", None) or []
-        suffixes = ("ForCausalLM", "LMHeadModel") + (("ForTokenClassification",) if self.model_type == "value" else ())
+        heads = ("ForTokenClassification", "ForSequenceClassification")  # a critic's or a reward model's head
+        suffixes = ("ForCausalLM", "LMHeadModel") + (heads if self.model_type == "value" else ())
         self.vision = self._check_vision_language(hf_config)
         if self.vision is not None:
             suffixes += ("ForConditionalGeneration",)
@@ -407,23 +408,46 @@ class FSDPEngine:
                 offset += p.numel()
 
     def _load_hf(self, path: str, hf_config: Any, dtype: torch.dtype, mcfg: Any) -> nn.Module:
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+        from transformers import (
+            AutoModelForCausalLM,
+            AutoModelForSequenceClassification,
+            AutoModelForTokenClassification,
+        )
 
-        cls = AutoModelForTokenClassification if self.model_type == "value" else AutoModelForCausalLM
+        archs = hf_config.architectures or []
+        # a value model loaded from a token or sequence classifier (an exported critic, a reward model) keeps its
+        # trained `score` head (the same layer in both: _Head applies it to the states it selects); one built from
+        # a causal LM gets a new scalar head, zero so the first values are 0, unless the checkpoint saved one
+        # with it (TRL's v_head, OpenRLHF's value_head)
+        saved_head = any(a.endswith(("ForTokenClassification", "ForSequenceClassification")) for a in archs)
+        cls = AutoModelForCausalLM
+        if self.model_type == "value":
+            sequence = any(a.endswith("ForSequenceClassification") for a in archs) and not mcfg.random_init
+            cls = AutoModelForSequenceClassification if sequence else AutoModelForTokenClassification
         if self.vision is not None:
             from transformers import AutoModelForImageTextToText as cls  # type: ignore[no-redef]
         kwargs: dict[str, Any] = {"attn_implementation": mcfg.attn_implementation,
                                   "trust_remote_code": mcfg.trust_remote_code}
-        # a critic built from a causal LM gets a new scalar head, zero so the first values are 0;
-        # one loaded from an exported critic (a token classifier) keeps its trained head
-        new_head = self.model_type == "value" and (mcfg.random_init or not any(
-            a.endswith("ForTokenClassification") for a in (hf_config.architectures or [])))
+        new_head = self.model_type == "value" and (mcfg.random_init or not saved_head)
         if self.model_type == "value":
             hf_config.num_labels = 1
         if mcfg.random_init:
             model = cls.from_config(hf_config, dtype=dtype, **kwargs)
         else:
             model = cls.from_pretrained(path, config=hf_config, dtype=dtype, **kwargs)
+        if new_head and not mcfg.random_init:
+            from polyrl.models.reward_heads import value_head_tensors
+
+            bias = getattr(model.score, "bias", None)
+            head = value_head_tensors(path)
+            if head:
+                with torch.no_grad():
+                    model.score.weight.copy_(head["weight"].to(model.score.weight.dtype))
+                    if bias is not None and "bias" in head:
+                        bias.copy_(head["bias"].to(bias.dtype))
+                    elif bias is not None:
+                        bias.zero_()
+                new_head = False
         if new_head:
             nn.init.zeros_(model.score.weight)
             if getattr(model.score, "bias", None) is not None:

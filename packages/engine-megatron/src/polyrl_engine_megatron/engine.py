@@ -35,8 +35,7 @@ from polyrl.checkpoint_io import atomic_checkpoint_dir, load_json, load_tensors
 from polyrl.distributed import ensure_process_group
 from polyrl.errors import CheckpointError, ConfigError
 from polyrl.lr_schedules import build_lr_scheduler
-from polyrl.protocols import ForwardProducts, LossScale
-from polyrl.trainer.roles import INFERENCE_ROLES
+from polyrl.protocols import INFERENCE_ROLES, ForwardProducts, LossScale
 from polyrl_engine_megatron.config import MegatronConfig
 
 logger = logging.getLogger(__name__)

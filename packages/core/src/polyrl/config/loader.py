@@ -25,9 +25,11 @@ from omegaconf.errors import OmegaConfBaseException
 from polyrl.config.overrides import apply_override, parse_override
 from polyrl.errors import ConfigError
 
-#: Role sections whose plugin block is named after ``engine``, and the rollout named after ``name``.
+#: Role sections whose plugin block is named after ``engine``, and the rollouts named after ``name`` (a dotted
+#: section is a block inside another: the reward model's judge rollout).
 _PLUGIN_BLOCKS = {"actor": ("engine", "engine"), "critic": ("engine", "engine"), "ref": ("engine", "engine"),
-                  "rollout": ("name", "rollout"), "trainer": ("name", "trainer")}
+                  "rollout": ("name", "rollout"), "trainer": ("name", "trainer"),
+                  "reward_model": ("engine", "engine"), "reward_model.rollout": ("name", "rollout")}
 
 
 #: Schema fields the loader fills itself; never suggested or listed to a user.
@@ -340,7 +342,10 @@ def from_dict(schema: type, raw: Mapping, origins: dict[str, str] | None = None,
     config = build(schema, data, origins)
     check_values(config, origins)
     for section, (name, block) in plugin_blocks.items():
-        getattr(config, section).plugin_config = _plugin_config(section, name, block, origins, plugins, strict_plugins)
+        target = config
+        for part in section.split("."):  # a dotted section is a block inside another (reward_model.rollout)
+            target = getattr(target, part)
+        target.plugin_config = _plugin_config(section, name, block, origins, plugins, strict_plugins)
         plugin = name.partition(".")[2]  # the block ``actor.fsdp`` lives on as ``actor.plugin_config``
         env_keys = {(f"{section}.plugin_config.{k[len(section) + len(plugin) + 2:]}"
                      if k.startswith(f"{section}.{plugin}.") else k): v for k, v in env_keys.items()}
@@ -483,13 +488,21 @@ def _share_model_block(schema: type, raw: dict, origins: dict[str, str] | None =
 
 
 def _pop_plugin_blocks(schema: type, raw: dict) -> dict[str, tuple[str, Any]]:
-    hints = typing.get_type_hints(schema)
     found: dict[str, tuple[str, Any]] = {}
     for section, (name_key, kind) in _PLUGIN_BLOCKS.items():
-        if section not in hints:
+        *parents, leaf = section.split(".")
+        owner_schema: Any = schema
+        owner: Any = raw
+        for part in parents:  # a block inside another (reward_model.rollout)
+            owner_schema = _dataclass_of(typing.get_type_hints(owner_schema).get(part))
+            owner = owner.get(part) if isinstance(owner, dict) else None
+            if owner_schema is None:
+                break
+        hints = typing.get_type_hints(owner_schema) if owner_schema is not None else {}
+        if leaf not in hints:
             continue
-        sub_schema = _dataclass_of(hints[section])
-        block = raw.get(section) or {}
+        sub_schema = _dataclass_of(hints[leaf])
+        block = (owner.get(leaf) if isinstance(owner, dict) else None) or {}
         default = getattr(sub_schema(), name_key, "") if sub_schema else ""
         name = block.get(name_key) or default
         if section == "ref" and not name:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polyrl.config.roles import EngineRoleConfig, ModelConfig, OptimConfig, RolloutConfig
+from polyrl.reward_models.config import RewardModelConfig
 from polyrl.rewards.config import RewardConfig
 
 
@@ -347,6 +348,7 @@ class PolyrlConfig:
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     trainer: TrainerSection = field(default_factory=TrainerSection)
@@ -377,6 +379,8 @@ VALUE_RULES: dict[str, str] = {
     "rollout.n": "> 0", "rollout.val_n": "> 0", "rollout.tensor_parallel_size": "> 0", "rollout.max_model_len": ">= 0",
     "rollout.max_batch_size": "> 0", "rollout.temperature": ">= 0", "rollout.val_temperature": ">= 0",
     "reward.timeout_s": ">= 0", "reward.num_workers": ">= 0",
+    "reward_model.micro_batch_size": "> 0", "reward_model.max_length": ">= 0",
+    "reward_model.max_token_len_per_gpu": "> 0", "reward_model.rollout.response_length": "> 0",
     "trainer.total_steps": ">= 0", "trainer.total_epochs": ">= 0", "trainer.n_workers": "> 0",
     "trainer.rollout_workers": "> 0", "trainer.test_freq": ">= 0", "trainer.save_freq": ">= 0",
     "trainer.max_checkpoints": ">= 0", "trainer.ray_num_cpus": ">= 0", "trainer.report_freq": ">= 0",

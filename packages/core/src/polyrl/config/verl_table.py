@@ -419,8 +419,13 @@ def _lora_targets(native: str) -> Converter:
 
 _PERF = "a speed / memory setting of verl's implementation; polyrl's engines do not have it (results are the same)"
 _PROFILE = "profiler settings: polyrl profiles with `polyrl profile` (docs/running.md)"
-_RM = ("used only when reward_model.enable=True (a model-based reward), which the verl front end refuses; the "
-       "reward comes from reward.function")
+_RM = ("a setting of verl's reward-model workers that polyrl's reward_model role does not have "
+       "(docs/reward_models.md)")
+
+
+def _unless_none(native: str, fn: Callable[[Any], Any] = lambda v: v) -> Converter:
+    """``native`` set from the value, unless verl's value is null (polyrl keeps its default)."""
+    return lambda v, view: {} if v is None else {native: fn(v)}
 
 
 def _role_entries(prefix: str, section: str, *, ref: bool = False, critic: bool = False) -> list[Entry]:
@@ -839,15 +844,39 @@ def _build_table() -> list[Entry]:
         Ignored("reward_manager.module.*", "used only with reward_manager.source=importlib, which is refused"),
         Mapped("reward_model.reward_manager", "reward.manager", _skip,
                note="through reward_manager.name (naive, batch, dapo, or one a plugin registers)"),
-        Refused("reward_model.enable", "polyrl's verl front end scores with reward functions only: set "
-                "custom_reward_function.path (or reward.function)", allowed=(False,)),
+        Mapped("reward_model.enable", "reward_model.enable", note="a discriminative reward model (docs/reward_models.md)"),
         Ignored("reward_model.*", _RM),
+        Mapped("reward_model.strategy", "reward_model.engine",
+               lambda v, view: {"reward_model.engine": _engine(v, "reward_model.strategy")}),
+        Mapped("reward_model.model.path", "reward_model.model.path", placeholder=True),
+        Mapped("reward_model.model.trust_remote_code", "reward_model.model.trust_remote_code"),
+        Mapped("reward_model.model.override_config", "reward_model.model.override_config",
+               _unless_none("reward_model.model.override_config", lambda v: dict(v or {}))),
+        Ignored("reward_model.model.input_tokenizer", "polyrl compares the policy's and the reward model's tokenizers "
+                "itself and re-templates when they differ (reward_model.input_format=auto)"),
+        Mapped("reward_model.micro_batch_size_per_gpu", "reward_model.micro_batch_size",
+               _micro("reward_model", "reward_model.micro_batch_size", "micro_batch_size",
+                      "micro_batch_size_per_gpu", "use_dynamic_bsz")),
+        Mapped("reward_model.micro_batch_size", "reward_model.micro_batch_size", _skip,
+               note="through reward_model.micro_batch_size_per_gpu (divided by the world size)"),
+        Mapped("reward_model.max_length", "reward_model.max_length", _unless_none("reward_model.max_length")),
+        Mapped("reward_model.use_dynamic_bsz", "reward_model.use_dynamic_bsz",
+               _unless_none("reward_model.use_dynamic_bsz", bool)),
+        Mapped("reward_model.forward_max_token_len_per_gpu", "reward_model.max_token_len_per_gpu",
+               _unless_none("reward_model.max_token_len_per_gpu", int)),
+        Refused("reward_model.enable_resource_pool", "give the reward model a pool of its own with "
+                "trainer.placement={actor: main, rollout: main, reward_model: rm} and trainer.pools={rm: N} "
+                "(docs/placement.md)", allowed=(False,)),
         Mapped("reward_model.num_workers", "reward.num_workers", placeholder=True,
                note="threads that run reward calls"),
         Refused("reward_model.reward_loop_source", "register reward managers through a plugin", allowed=("register",)),
         Refused("reward_model.reward_loop_module_path", "register reward managers through a plugin", allowed=(None,)),
-        Refused("reward_model.sandbox_fusion.url", "score code in a sandbox from your reward function "
-                "(docs/rewards_and_data.md)", allowed=(None,)),
+        Mapped("reward_model.sandbox_fusion.url", "reward.sandbox_fusion.url", _unless_none("reward.sandbox_fusion.url"),
+               note="code rewards run on that SandboxFusion server (docs/reward_models.md)"),
+        Mapped("reward_model.sandbox_fusion.memory_limit_mb", "reward.sandbox_fusion.memory_limit_mb",
+               _unless_none("reward.sandbox_fusion.memory_limit_mb", int)),
+        Ignored("reward_model.sandbox_fusion.max_concurrent", "programs run at most reward.num_workers at a time "
+                "(verl's reward_model.num_workers)"),
         Mapped("reward_model.reward_kwargs.*", "reward.overlong_buffer_enable / reward.overlong_buffer_len / "
                "reward.overlong_penalty_factor / reward.max_response_length",
                _reward_kwargs, note="DAPO's overlong_buffer_cfg (enable, len, penalty_factor) and max_resp_len",

@@ -145,3 +145,35 @@ def make_tiny_model(
     cfg.setdefault("chat_template", CHAT_TEMPLATE)
     cfg_file.write_text(json.dumps(cfg, indent=2))
     return path
+
+
+def make_tiny_reward_model(
+    path: str | Path,
+    *,
+    arch: str = "qwen2",
+    size: str = "tiny",
+    tokenizer: Any = None,
+    seed: int = 0,
+    num_labels: int = 1,
+    **config_overrides: Any,
+) -> Path:
+    """Write a random-init sequence classifier (``XForSequenceClassification``, ``num_labels`` scores read at
+    the last token) with a char tokenizer (or ``tokenizer``) to ``path``: a reward model's checkpoint format."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = tokenizer or build_char_tokenizer()
+    config = tiny_config(arch, vocab_size=len(tokenizer), size=size, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
+                         num_labels=num_labels, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    cfg_file = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg.setdefault("chat_template", getattr(tokenizer, "chat_template", None) or CHAT_TEMPLATE)
+    cfg_file.write_text(json.dumps(cfg, indent=2))
+    return path

@@ -14,6 +14,9 @@ def register_reward_managers(register):
 def register_reward_functions(register):
     register("arithmetic", "polyrl.rewards.functions:arithmetic_score", data_sources=["arithmetic"])
     register("shapes", "polyrl.rewards.functions:shapes_score", data_sources=["shapes"])
+    # code data sets as in verl's default_compute_score: run the response's program against the row's tests
+    register("code", "polyrl.rewards.code:code_score", data_sources=["codecontests", "apps", "codeforces", "taco"],
+             description="the response's program against the row's tests, in reward.sandbox")
     # data sources as in verl's default_compute_score (verl.utils.reward_score)
     register("gsm8k", "polyrl.rewards.functions:gsm8k_score", data_sources=["openai/gsm8k", "gsm8k"])
     register("math", "polyrl.rewards.functions:math_score",

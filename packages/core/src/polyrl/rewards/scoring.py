@@ -16,11 +16,24 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: Any
     The function is the one whose registration metadata lists ``data_source`` in
     ``data_sources`` (or a prefix of it in ``data_source_prefixes``, e.g. ``aime``):
     GSM8K, MATH, DAPO-Math/AIME, Geometry3K and Search-R1 are built in
-    (docs/rewards_and_data.md). verl's extra keywords (``sandbox_fusion_url``...) are
-    accepted and ignored. An unknown data source raises ``NotImplementedError`` like verl's.
+    (docs/rewards_and_data.md). verl's ``sandbox_fusion_url`` reaches a function that takes it (the ``code``
+    reward runs the program on that SandboxFusion server); other extra keywords are accepted and ignored. An
+    unknown data source raises ``NotImplementedError`` like verl's.
     """
     fn = reward_function_for(data_source)
+    url = kwargs.get("sandbox_fusion_url")
+    if url and _takes(fn, "sandbox_fusion_url"):
+        return fn(data_source, solution_str, ground_truth, extra_info, sandbox_fusion_url=url)
     return fn(data_source, solution_str, ground_truth, extra_info)
+
+
+def _takes(fn: Any, name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def reward_function_for(data_source: str) -> Any:
@@ -40,6 +53,18 @@ def reward_function_for(data_source: str) -> Any:
         f"no reward function registered for data_source '{data_source}' (known: {', '.join(sources)}); "
         "set reward.function to a registered name or to path/to/file.py:compute_score"
     )
+
+
+def has_reward_function(reward: Any, data_source: str) -> bool:
+    """Whether the ``reward`` block scores ``data_source`` with a function: ``reward.function`` (or verl's
+    ``custom_reward_function``) names one, or one is registered for the data source."""
+    if reward_function_spec(reward):
+        return True
+    try:
+        reward_function_for(data_source)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def reward_function_spec(reward: Any) -> str:

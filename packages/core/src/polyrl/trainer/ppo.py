@@ -14,6 +14,7 @@ live in worker groups (:mod:`polyrl.controller`).
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import random
 import time
@@ -265,18 +266,51 @@ class PPOTrainer:
             raise ConfigError(f"actor.model.path={model.path}: {exc}") from None
 
     def build_reward_fn(self) -> Any:
-        """The reward manager: ``batch -> RewardOutput`` (``reward.manager`` with ``reward.function``)."""
+        """The reward manager: ``batch -> RewardOutput`` (``reward.manager`` with ``reward.function``); with a
+        reward model (``reward_model.enable``) or a ``reward.combine`` set, the components combined
+        (:class:`polyrl.rewards.combine.RewardComposer`, docs/reward_models.md)."""
         from polyrl.rewards import load_compute_score
 
         cfg = self.config
         compute_score = load_compute_score(cfg.reward)  # reward.function or verl's custom_reward_function
+        self._configure_code_rewards()
         manager = self.pm.get("reward_manager", cfg.reward.manager)
-        return manager(tokenizer=self.tokenizer, compute_score=compute_score, config=cfg.reward)
+        rule = manager(tokenizer=self.tokenizer, compute_score=compute_score, config=cfg.reward)
+        combine = cfg.reward.combine
+        if not cfg.reward_model.enable and not (combine.weights or combine.per_data_source or combine.mode != "sum"):
+            return rule
+        from polyrl.reward_models.scorer import RewardModelScorer, check_reward_model
+        from polyrl.rewards.combine import RewardComposer
+        from polyrl.rewards.scoring import has_reward_function
+
+        models = []
+        if cfg.reward_model.enable:
+            rm_tokenizer = check_reward_model(cfg, self.pm, self.tokenizer)
+            models.append(RewardModelScorer(cfg, policy_tokenizer=self.tokenizer, rm_tokenizer=rm_tokenizer,
+                                            plugins=self.pm, group=lambda: self.groups and self.groups.reward_model))
+        return RewardComposer(rule=rule, models=models, combine=combine, fallback_score=cfg.reward.fallback_score,
+                              has_rule_for=lambda source: has_reward_function(cfg.reward, source))
+
+    def _configure_code_rewards(self) -> None:
+        """The ``code`` reward runs in ``reward.sandbox``; its sandbox is checked now (one line, before any worker
+        starts) when the run scores code or names a SandboxFusion server."""
+        from polyrl.rewards.code import configure_code_rewards, uses_code_rewards
+
+        reward = self.config.reward
+        sources = {row.get("data_source", "") for data in (self.train_set, self.val_set) if data is not None
+                   for row in data}
+        configure_code_rewards(reward, self.pm, check=bool(reward.sandbox_fusion.url)
+                               or uses_code_rewards(reward, sources))
 
     def extra_roles(self) -> list[RoleSpec]:
-        """Roles beyond actor / rollout / ref / critic that this run starts (docs/plugins/roles.md); a plugin
-        trainer adds its own (``teacher``) to what this returns."""
-        return []
+        """Roles beyond actor / rollout / ref / critic that this run starts: ``reward_model`` when
+        ``reward_model.enable`` (docs/reward_models.md). A plugin trainer adds its own (``teacher``) to what this
+        returns (docs/plugins/roles.md)."""
+        if not self.config.reward_model.enable:
+            return []
+        from polyrl.reward_models.scorer import reward_model_spec
+
+        return [reward_model_spec(self.config)]
 
     def before_advantage(self, batch: TensorDict, metrics: dict[str, float]) -> TensorDict:
         """Called each step after the rewards (``token_level_rewards``, KL-in-reward applied), old / reference
@@ -302,6 +336,8 @@ class PPOTrainer:
         from polyrl.rewards.reachability import SAMPLE_ROWS, check_rewards_reachable
 
         cfg = self.config
+        if cfg.reward_model.enable and not _combines_rule(cfg.reward.combine):
+            return  # the reward model scores every sample; the reward function only adds acc where it can
         columns = RowColumns.from_config(cfg.data)
         for key in ("val_files", "train_files"):
             for file in getattr(cfg.data, key):  # each file on its own: one data source each, usually
@@ -331,10 +367,10 @@ class PPOTrainer:
         needed = placement.total_workers
         have = int(platform.device_count())
         if needed > have:
-            raise ConfigError(f"trainer.placement ({placement.describe()}): {needed} workers need {needed} "
-                              f"{choice.name} devices; this machine has {have}. Lower the worker counts "
-                              "(trainer.n_workers, trainer.rollout_workers, trainer.pools; verl: trainer.n_gpus_per_node), "
-                              "or join a cluster (trainer.ray_address)")
+            raise ConfigError(f"trainer.placement: the pools ({placement.describe()}) need {needed} {choice.name} "
+                              f"devices; this machine has {have}. Lower the pool sizes (trainer.n_workers, "
+                              "trainer.rollout_workers, trainer.pools; verl: trainer.n_gpus_per_node), or join a "
+                              "cluster (trainer.ray_address)")
 
     def batch_metrics(self, batch: TensorDict) -> dict[str, float]:
         """Scores, advantages, lengths and KL of a trained batch (``critic/*``, ``response_length/*``...)."""
@@ -822,6 +858,7 @@ class PPOTrainer:
         batch_ops.set_non_tensor(batch, "data_source", [s.get("data_source", "") for s in samples])
         batch_ops.set_non_tensor(batch, "ground_truth", [(s.get("reward_model") or {}).get("ground_truth") for s in samples])
         batch_ops.set_non_tensor(batch, "extra_info", [s.get("extra_info") or {} for s in samples])
+        batch_ops.set_non_tensor(batch, "raw_prompt", [json.dumps(s.get("prompt")) for s in samples])  # a reward model re-templates it
         if "sample_id" not in batch.keys():
             batch_ops.set_non_tensor(batch, "sample_id", sample_ids(rows, n))
         return batch
@@ -942,6 +979,16 @@ def _mean_of(results: dict[str, float] | list[dict[str, float]]) -> dict[str, fl
         return dict(results)
     keys = set().union(*results) if results else set()
     return {k: float(np.mean([r[k] for r in results if k in r])) for k in keys}
+
+
+def _combines_rule(combine: Any) -> bool:
+    """Whether ``reward.combine`` uses the reward function's score (``rule``) for some data source."""
+    blocks = [combine, *[b for b in dict(combine.per_data_source or {}).values() if isinstance(b, dict)]]
+    for block in blocks:
+        get = block.get if isinstance(block, dict) else lambda k, d=None, b=block: getattr(b, k, d)
+        if get("mode", "sum") in ("gate", "function") or "rule" in dict(get("weights", None) or {}):
+            return True
+    return False
 
 
 def _batch_metrics(batch: TensorDict) -> dict[str, float]:

@@ -134,8 +134,8 @@ class RoleGroups:
             group.call_all("load_checkpoint", path)
 
     def distinct(self) -> list[WorkerGroup]:
-        """Each group once (roles may share a group), in role order: actor, rollout, ref, critic, then the roles
-        beyond those four."""
+        """Each group once (roles may share a group), in role order: actor, rollout, ref, critic, then the
+        roles beyond those (``reward_model``...)."""
         return self._distinct([self.actor, self.rollout, self.ref, self.critic, *self.roles.values()])
 
     def shutdown(self) -> None:

@@ -16,12 +16,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from polyrl.protocols import INFERENCE_ROLES as _INFERENCE_ROLES
+
 #: The roles every worker knows by name.
 BUILTIN_ROLES: tuple[str, ...] = ("actor", "rollout", "ref", "critic")
 
-#: Roles whose engines only infer: engines build no optimizer for them and never train them
-#: (``Engine`` factories receive the role's name).
-INFERENCE_ROLES: frozenset[str] = frozenset({"ref", "reward_model", "teacher"})
+#: Roles whose engines only infer (defined in :mod:`polyrl.protocols`, which engines import).
+INFERENCE_ROLES = _INFERENCE_ROLES
 
 #: What a :class:`RoleSpec` may build.
 ROLE_BUILDS: tuple[str, ...] = ("engine", "rollout")

@@ -114,13 +114,14 @@ def sample_base(row: dict) -> str:
 
 
 def attach_sample_fields(batch: TensorDict, rows: list[dict], n: int, version: int) -> TensorDict:
-    """The per-row fields the trainer reads (uid, data source, ground truth, extra info), plus the sample
+    """The per-row fields the trainer reads (uid, data source, ground truth, extra info, the raw prompt), plus the sample
     ids and the policy version that generated them, on a batch generated for ``rows`` repeated ``n`` times."""
     samples = [row for row in rows for _ in range(n)]
     batch_ops.set_non_tensor(batch, "uid", [s["uid"] for s in samples])
     batch_ops.set_non_tensor(batch, "data_source", [s.get("data_source", "") for s in samples])
     batch_ops.set_non_tensor(batch, "ground_truth", [(s.get("reward_model") or {}).get("ground_truth") for s in samples])
     batch_ops.set_non_tensor(batch, "extra_info", [s.get("extra_info") or {} for s in samples])
+    batch_ops.set_non_tensor(batch, "raw_prompt", [json.dumps(s.get("prompt")) for s in samples])
     batch_ops.set_non_tensor(batch, "sample_id", [f"{sample_base(r)}/{j}" for r in rows for j in range(n)])
     batch_ops.set_non_tensor(batch, "gen_version", [int(version)] * len(samples))
     return batch
