@@ -70,9 +70,10 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     """RL post-training."""
     from polyrl.trainer.commands import train
+    from polyrl.trainer.interrupt import stopped_by_ctrl_c
 
     train(args.manifest, args.config, args.overrides)
-    return 0
+    return 130 if stopped_by_ctrl_c() else 0  # stopped at a step boundary by Ctrl-C: resumable, but not done
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
@@ -173,6 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `polyrl plugins | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:  # a second Ctrl-C (the first stops `train` at a step boundary): one line, no traceback
+        resumes = " (started again, the run resumes from its last checkpoint)" if args.command == "train" else ""
+        print(f"polyrl {args.command}: aborted by Ctrl-C{resumes}", file=sys.stderr)
+        return 130
     except Exception as exc:
         verbose = args.traceback or os.environ.get("POLYRL_DEBUG") == "1"
         remote = worker_error(exc)

@@ -30,12 +30,20 @@ def test_local_ray_binds_loopback_and_keeps_auth(fake_ray, monkeypatch, tmp_path
     assert start_ray(_config(), tmp_path)
     (kw,) = fake_ray
     assert kw["_node_ip_address"] == "127.0.0.1" and kw["include_dashboard"] is False
-    assert "RAY_AUTH_MODE" not in os.environ and "RAY_AUTH_MODE" not in kw["runtime_env"]["env_vars"]
+    assert "RAY_AUTH_MODE" not in os.environ
 
 
-def test_workers_follow_the_drivers_auth_choice(fake_ray, monkeypatch, tmp_path):
+def test_local_ray_sets_no_runtime_env(fake_ray, monkeypatch, tmp_path):
+    """A local Ray's workers inherit the driver's environment (RAY_AUTH_MODE included); a runtime_env would make
+    every actor wait for a worker process of its own instead of one Ray started ahead."""
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     start_ray(_config(), tmp_path)
+    assert "runtime_env" not in fake_ray[0]
+
+
+def test_cluster_workers_follow_the_drivers_auth_choice(fake_ray, monkeypatch, tmp_path):
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    start_ray(_config("10.0.0.5:6379"), tmp_path)
     assert fake_ray[0]["runtime_env"]["env_vars"]["RAY_AUTH_MODE"] == "disabled"
 
 

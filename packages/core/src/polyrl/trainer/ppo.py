@@ -65,11 +65,13 @@ class PPOTrainer:
 
     def __init__(self, config: Any, *, manifest: Manifest | None = None, plugins: Any = None) -> None:
         from polyrl.plugins import get_plugin_manager
+        from polyrl.trainer.executor import resolve_executor
 
         self.config = config
         self.manifest = manifest
         self.pm = plugins or get_plugin_manager()
         cfg = config
+        resolve_executor(cfg)  # auto -> local or ray; a run that needs Ray without it stops here
         self.run_dir = Path(cfg.trainer.run_dir).expanduser().resolve()  # created (and locked) by fit()
         self._check_config()
         self.tokenizer = self.build_tokenizer()
@@ -96,6 +98,7 @@ class PPOTrainer:
 
         self.adv_fn = get_adv_estimator_fn(cfg.algorithm.adv_estimator)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
+        self._check_optional_dependencies()
         self.reward_fn = self.build_reward_fn()
         entry = self.pm.entry("advantage_estimator", cfg.algorithm.adv_estimator)
         self.use_critic = bool(entry.metadata.get("needs_values")) or cfg.algorithm.adv_estimator in _NEEDS_CRITIC
@@ -132,6 +135,19 @@ class PPOTrainer:
         self.global_step = 0
         self.groups: RoleGroups | None = None
         self.rollout_source = make_rollout_source(self)  # where each step's samples come from
+
+    def _check_optional_dependencies(self) -> None:
+        """What the run uses from polyrl's extras is installed (before any worker starts): the reward functions
+        of its data sources (``polyrl[math]``), the agent tools' schema checker (``polyrl[tools]``)."""
+        from polyrl.rewards.scoring import check_reward_requirements, reward_function_spec
+
+        sets = [s for s in (self.train_set, self.val_set) if s is not None]
+        sources = {row.get("data_source", "") for rows in sets for row in getattr(rows, "rows", ())}
+        check_reward_requirements(reward_function_spec(self.config.reward), sources, self.pm)
+        if list(self.config.agent.tools):
+            from polyrl.tools.function import require_jsonschema
+
+            require_jsonschema()
 
     def _configure_rollout_correction(self) -> dict[str, Any] | None:
         """verl's ``algorithm.rollout_correction`` (and the old ``tis_imp_ratio_cap``): the settings, copied to
@@ -243,8 +259,6 @@ class PPOTrainer:
                 f"actor.ppo_mini_batch_size * rollout.n = {rows} rows must divide over the actor's {dp} data-parallel "
                 f"ranks (trainer.n_workers={world} divided by the engine's model-parallel size)"
             )
-        if cfg.trainer.executor not in ("ray", "local"):
-            raise ConfigError(f"trainer.executor={cfg.trainer.executor!r}: choose 'ray' or 'local'")
         if cfg.rollout.response_length != cfg.data.max_response_length:
             cfg.rollout.response_length = cfg.data.max_response_length
         cfg.rollout.prompt_length = cfg.data.max_prompt_length
@@ -281,65 +295,114 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
-        """Train for ``total_steps``; returns the last validation metrics (or the last step's)."""
+        """Train for ``total_steps``; returns the last validation metrics (or the last step's).
+
+        Ctrl-C stops after the step in progress (a checkpoint of it is saved when the run saves checkpoints), a
+        second Ctrl-C aborts (:mod:`polyrl.trainer.interrupt`); a run that already reached ``total_steps`` says
+        so and returns at once. Either way the run ends with a summary (:mod:`polyrl.trainer.summary`).
+        """
         from polyrl.tracking import Tracker
+        from polyrl.trainer.interrupt import StopAtStepBoundary
 
         cfg = self.config
+        started = time.perf_counter()
         # one run per directory: the lock is held until fit() returns, and dropped by the kernel if we die
         self._lock = RunDirLock(prepare_run_dir(cfg.trainer.run_dir)).acquire()
         try:
             setup_run_logging(self.run_dir)  # RUN_DIR/train.log, appended on resume
             resume_from = self._resume_point()
-            self._write_run_files()
-            self.groups = build_role_groups(cfg, manifest=self.manifest, use_ref=self.use_ref, worker_cls=self.worker_cls,
-                                            use_critic=self.use_critic, run_dir=self.run_dir)
-            tracker = Tracker(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
-                              experiment=cfg.trainer.experiment_name, config=to_dict(cfg),
-                              resume=resume_from is not None)
+            if resume_from is not None and read_state(resume_from)["global_step"] >= self.total_steps:
+                return self._already_finished(resume_from)  # nothing to train: no worker, no Ray
         except BaseException:
-            if self.groups is not None:
-                self.groups.shutdown()
             self._lock.release()
             raise
         last_val: dict[str, float] = {}
         metrics: dict[str, float] = {}
-        try:
-            if resume_from is not None:
-                self._load(resume_from)
-            else:
-                self.groups.sync_weights()
-            if self.val_set is not None and cfg.trainer.val_before_train and resume_from is None:
-                last_val = self.validate()
-                tracker.log(last_val, self.global_step)
-            bar = _progress(cfg.trainer.progress_bar, self.total_steps, self.global_step)
-            self.rollout_source.start()
-            while self.global_step < self.total_steps:
-                metrics = self.step()
-                self.global_step += 1
-                is_last = self.global_step >= self.total_steps
-                if self.val_set is not None and cfg.trainer.test_freq and (
-                    self.global_step % cfg.trainer.test_freq == 0 or is_last
-                ):
-                    last_val = self.validate()
-                    metrics.update(last_val)
-                # metrics first: a checkpoint at step N implies N's metrics line exists (resume re-runs the rest)
-                tracker.log(metrics, self.global_step)
-                fault_point("metrics", self.global_step)
-                if cfg.trainer.save_freq > 0 and (self.global_step % cfg.trainer.save_freq == 0 or is_last):
-                    self.save()
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("critic/score/mean",) if k in metrics})
-            if bar is not None:
-                bar.close()
-        finally:
+        history: list[dict[str, float]] = []
+        with StopAtStepBoundary("the set-up") as stop:
             try:
-                self.rollout_source.stop()
-                tracker.close()
-                self.groups.shutdown()
-            finally:
+                self._write_run_files()
+                self.groups = build_role_groups(cfg, manifest=self.manifest, use_ref=self.use_ref,
+                                                worker_cls=self.worker_cls, use_critic=self.use_critic,
+                                                run_dir=self.run_dir)
+                tracker = Tracker(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
+                                  experiment=cfg.trainer.experiment_name, config=to_dict(cfg),
+                                  resume=resume_from is not None)
+            except BaseException:
+                if self.groups is not None:
+                    self.groups.shutdown()
                 self._lock.release()
+                raise
+            try:
+                if resume_from is not None:
+                    self._load(resume_from)
+                else:
+                    self.groups.sync_weights()
+                if self.val_set is not None and cfg.trainer.val_before_train and resume_from is None:
+                    last_val = self.validate()
+                    tracker.log(last_val, self.global_step)
+                    history.append({"step": self.global_step, **last_val})
+                bar = _progress(cfg.trainer.progress_bar, self.total_steps, self.global_step)
+                self.rollout_source.start()
+                while self.global_step < self.total_steps and not stop.requested:
+                    stop.what = f"step {self.global_step + 1}"
+                    metrics = self.step()
+                    self.global_step += 1
+                    is_last = self.global_step >= self.total_steps
+                    if self.val_set is not None and cfg.trainer.test_freq and (
+                        self.global_step % cfg.trainer.test_freq == 0 or is_last
+                    ):
+                        last_val = self.validate()
+                        metrics.update(last_val)
+                    # metrics first: a checkpoint at step N implies N's metrics line exists (resume re-runs the rest)
+                    tracker.log(metrics, self.global_step)
+                    history.append({"step": self.global_step, **metrics})
+                    fault_point("metrics", self.global_step)
+                    due = self.global_step % cfg.trainer.save_freq == 0 or is_last if cfg.trainer.save_freq > 0 else False
+                    if due or (stop.requested and cfg.trainer.save_freq > 0):  # Ctrl-C: keep the step just trained
+                        self.save()
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("critic/score/mean",) if k in metrics})
+                if bar is not None:
+                    bar.close()
+            finally:
+                try:
+                    self.rollout_source.stop()
+                    tracker.close()
+                    self.groups.shutdown()
+                finally:
+                    self._lock.release()
+        self._log_summary("stopped" if stop.requested and self.global_step < self.total_steps else "finished",
+                          time.perf_counter() - started, history)
         return {**metrics, **last_val}
+
+    def _already_finished(self, checkpoint: Path) -> dict[str, float]:
+        """A run started again after it reached ``total_steps``: say so, summarise, train nothing."""
+        from polyrl.trainer.summary import log_run_end, metrics_rows
+
+        self.global_step = int(read_state(checkpoint)["global_step"])
+        try:
+            rows = metrics_rows(self.run_dir, list(self.config.trainer.logger), [])
+            log_run_end(verb="train", state="already finished", step=self.global_step, total=self.total_steps,
+                        seconds=None, run_dir=self.run_dir, checkpoint=checkpoint, rows=rows)
+        finally:
+            self._lock.release()
+        last = dict(rows[-1]) if rows else {}
+        last.pop("time", None)
+        last.pop("step", None)
+        return last
+
+    def _log_summary(self, state: str, seconds: float | None, history: list[dict[str, float]]) -> None:
+        from polyrl.trainer.summary import log_run_end, metrics_rows
+
+        try:
+            checkpoint = self.ckpt.latest()
+        except Exception:  # the summary never hides how the run ended
+            checkpoint = None
+        log_run_end(verb="train", state=state, step=self.global_step, total=self.total_steps, seconds=seconds,
+                    run_dir=self.run_dir, checkpoint=checkpoint,
+                    rows=metrics_rows(self.run_dir, list(self.config.trainer.logger), history))
 
     def _resume_point(self) -> Path | None:
         """The checkpoint to continue from (checked against this config), with metrics after it dropped."""
@@ -362,7 +425,9 @@ class PPOTrainer:
             log.warning("checkpoint %s stores no config; resuming without checking that the config is unchanged", path)
             return
         allowed = list(self.config.trainer.resume_override)
-        diffs = config_differences(saved, to_dict(self.config), allowed)
+        # one rank either way: a run saved under `ray` (the default before `auto`) resumes under `local`
+        implicit = ["trainer.executor"] if self.config.trainer.n_workers == 1 else []
+        diffs = config_differences(saved, to_dict(self.config), allowed + implicit)
         if diffs:
             shown = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in diffs[:10])
             more = f" (and {len(diffs) - 10} more)" if len(diffs) > 10 else ""
@@ -372,7 +437,7 @@ class PPOTrainer:
                 f"Resume with the same values, allow the change with trainer.resume_override=[{keys}], or start a new "
                 "run (another trainer.run_dir, or trainer.resume=disable)."
             )
-        changed = [k for k, _, _ in config_differences(saved, to_dict(self.config))]
+        changed = [k for k, _, _ in config_differences(saved, to_dict(self.config), implicit)]
         if changed:
             log.warning("resuming with changed config keys (allowed by trainer.resume_override): %s", ", ".join(changed))
 

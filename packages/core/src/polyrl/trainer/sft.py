@@ -8,6 +8,7 @@ log-likelihood of the response tokens (EOS included).
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from pathlib import Path
@@ -67,7 +68,9 @@ class SFTTrainer:
         from transformers import AutoTokenizer
 
         from polyrl.data import load_rows
+        from polyrl.trainer.executor import resolve_executor
 
+        resolve_executor(config)  # auto -> local or ray, before anything loads
         self.config = config
         self.manifest = manifest
         self.run_dir = Path(config.trainer.run_dir).expanduser().resolve()  # created (and locked) by fit()
@@ -103,6 +106,7 @@ class SFTTrainer:
         from polyrl.trainer.workers import open_role_group
 
         cfg = self.config
+        began = time.perf_counter()
         setup_run_logging(self.run_dir)  # RUN_DIR/train.log
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         started = open_role_group(cfg, roles=["actor"], manifest=self.manifest, name="sft", run_dir=self.run_dir,
@@ -139,6 +143,9 @@ class SFTTrainer:
                 bar.close()
             tracker.close()
             started.shutdown()
+        logging.getLogger(__name__).info(
+            "polyrl sft: finished %d steps in %.0fs; the model is in %s (train on it with model.path=%s)",
+            self.total_steps, time.perf_counter() - began, self.run_dir / "hf", self.run_dir / "hf")
         return metrics
 
 

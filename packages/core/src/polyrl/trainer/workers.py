@@ -263,20 +263,38 @@ def start_ray(config: Any, run_dir: Path) -> bool:
     declared theirs in ``ray start``). Otherwise a local Ray starts with temporary files under the run
     directory, its node address on loopback and no dashboard. Ray's token authentication is left as configured (on by default in recent Ray); tests opt
     out with ``RAY_AUTH_MODE=disabled`` in their environment. See docs/security.md.
+
+    A local Ray's workers inherit the driver's environment (``OMP_NUM_THREADS``, ``RAY_AUTH_MODE``...), so no
+    runtime environment is set: Ray then hands the actors worker processes it started ahead. Ray's log records go
+    to ``RUN_DIR/train.log`` (its errors to the console too) and what its workers print reaches the console above
+    the progress bar (:mod:`polyrl.logs`).
     """
+    from polyrl.trainer.executor import RAY_INSTALL, ray_installed
+
+    if not ray_installed():
+        from polyrl.errors import ConfigError
+
+        raise ConfigError(f"trainer.executor=ray needs Ray, which is not installed: {RAY_INSTALL} "
+                          "(or trainer.executor=local)")
     import ray
 
     if ray.is_initialized():
         return False
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
-    if "RAY_AUTH_MODE" in os.environ:  # the workers follow the driver's choice, whatever it is
-        env_vars["RAY_AUTH_MODE"] = os.environ["RAY_AUTH_MODE"]
+    import logging
+
+    from polyrl.logs import route_ray_logger, route_ray_worker_output
+
+    route_ray_logger()
     from polyrl.controller.cluster import cluster_address
 
     address = cluster_address(config)
     if address:
-        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": env_vars})
+        env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
+        if "RAY_AUTH_MODE" in os.environ:  # the workers follow the driver's choice, whatever it is
+            env_vars["RAY_AUTH_MODE"] = os.environ["RAY_AUTH_MODE"]
+        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": env_vars},
+                 logging_level=logging.INFO)
+        route_ray_worker_output()
         return True
     temp_dir = ray_temp_dir(run_dir)
     num_cpus = config.trainer.ray_num_cpus or max(os.cpu_count() or 1, config.trainer.n_workers + config.trainer.rollout_workers)
@@ -286,6 +304,7 @@ def start_ray(config: Any, run_dir: Path) -> bool:
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
         log_to_driver=True,
-        runtime_env={"env_vars": env_vars},
+        logging_level=logging.INFO,
     )
+    route_ray_worker_output()
     return True
