@@ -16,8 +16,9 @@ venv made with ``pip install torch==2.13.0 --index-url https://download.pytorch.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_startup.py [--repeats 5] [--trl-python /path/to/python]
         [--variants local ray trl]
 
-Also ``--export``: ``polyrl export`` of the ray run's checkpoint, timed (in this process's executor choice:
-no Ray for a checkpoint that fits one process). Results: docs/benchmarks.md.
+Also ``--export``: ``polyrl export`` of the ray run's checkpoint (2 ranks), timed as it runs by default (in one
+process, no Ray: the checkpoint fits one) and with ``trainer.executor=ray`` (the run's two Ray workers, what
+export always did before). Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -122,12 +123,12 @@ def trl_child(model_dir: str, data: str, out: str) -> None:
                 callbacks=[FirstStep()]).train()
 
 
-def run_export(run_dir: Path, out: Path) -> float:
-    """``polyrl export`` of the newest checkpoint of ``run_dir``, launch to exit."""
+def run_export(run_dir: Path, out: Path, *extra: str) -> float:
+    """``polyrl export`` of the newest checkpoint of ``run_dir``, launch to exit (``extra``: overrides)."""
     shutil.rmtree(out, ignore_errors=True)
     ckpt = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "polyrl", "export", str(ckpt), "--to", str(out)], check=True,
+    subprocess.run([sys.executable, "-m", "polyrl", "export", str(ckpt), "--to", str(out), *extra], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - start
 
@@ -158,18 +159,19 @@ def main() -> None:
         files = prepare(root)
         times: dict[str, list[float]] = {v: [] for v in variants}
         exports: list[float] = []
+        ray_exports: list[float] = []
         for r in range(args.repeats):
             order = variants[r % len(variants):] + variants[: r % len(variants)]
             for v in order:
-                if v == "trl":
-                    seconds = run_trl(files, root / "trl", trl_python)
-                else:
-                    seconds = run_polyrl(files, root / v, v)
+                seconds = run_trl(files, root / "trl", trl_python) if v == "trl" else run_polyrl(files, root / v, v)
                 times[v].append(seconds)
                 print(f"round {r + 1}: {v:5s} first step after {seconds:.2f}s", flush=True)
             if args.export and "ray" in variants:
+                # in this process (the checkpoint of 2 ranks fits one), then the run's 2 Ray workers as before
                 exports.append(run_export(root / "ray", root / "export"))
-                print(f"round {r + 1}: export {exports[-1]:.2f}s", flush=True)
+                ray_exports.append(run_export(root / "ray", root / "export-ray", "trainer.executor=ray"))
+                print(f"round {r + 1}: export {exports[-1]:.2f}s (with the run's Ray workers: {ray_exports[-1]:.2f}s)",
+                      flush=True)
         med = {v: statistics.median(t) for v, t in times.items()}
         print("\nmedian seconds to the first step (launch -> step 1 done):")
         for v in variants:
@@ -179,7 +181,8 @@ def main() -> None:
         if "trl" in med and "local" in med:
             print(f"  local / TRL = {med['local'] / med['trl']:.2f} (target < 1)")
         if exports:
-            print(f"  polyrl export (median of {len(exports)}): {statistics.median(exports):.2f}s")
+            print(f"  polyrl export (median of {len(exports)}): {statistics.median(exports):.2f}s in one process, "
+                  f"{statistics.median(ray_exports):.2f}s with the run's Ray workers")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -21,8 +21,10 @@ def fake_ray(monkeypatch):
     return calls
 
 
-def _config(address: str = "") -> SimpleNamespace:
-    return SimpleNamespace(trainer=SimpleNamespace(ray_address=address, ray_num_cpus=2, n_workers=1, rollout_workers=1))
+def _config(address: str = "", **trainer) -> SimpleNamespace:
+    t = dict(ray_address=address, ray_num_cpus=2, n_workers=1, rollout_workers=1, placement="colocated")
+    return SimpleNamespace(trainer=SimpleNamespace(**{**t, **trainer}), actor=SimpleNamespace(engine="fsdp"),
+                           rollout=SimpleNamespace(name="hf"))
 
 
 def test_local_ray_binds_loopback_and_keeps_auth(fake_ray, monkeypatch, tmp_path):
@@ -65,3 +67,15 @@ def test_config_address_wins_over_the_environment(fake_ray, monkeypatch, tmp_pat
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.7:6379")
     start_ray(_config("10.0.0.5:6379"), tmp_path)
     assert fake_ray[0]["address"] == "10.0.0.5:6379"
+
+
+@pytest.mark.parametrize(("trainer", "cpus"), [({"n_workers": 2}, 2), ({"n_workers": 2, "placement": "split",
+                                                                      "rollout_workers": 3}, 5)])
+def test_local_ray_has_one_cpu_per_worker_and_preloads_what_workers_import(fake_ray, tmp_path, trainer, cpus):
+    """Ray starts ``num_cpus`` worker processes ahead: one per worker the run starts, each importing torch, the
+    worker and the configured engine and rollout while Ray finishes starting (no spare process to feed)."""
+    start_ray(_config(**trainer, ray_num_cpus=0), tmp_path)
+    (kw,) = fake_ray
+    assert kw["num_cpus"] == cpus
+    preload = kw["_system_config"]["preload_python_modules"]
+    assert {"torch", "tensordict", "polyrl.trainer.role_worker", "polyrl.rollout.hf"} <= set(preload)

@@ -28,6 +28,12 @@ def stopped_by_ctrl_c() -> bool:
     return _stopped
 
 
+def record_stop() -> None:
+    """Note that a run stopped early because of Ctrl-C (:func:`stopped_by_ctrl_c`); the trainers call it."""
+    global _stopped
+    _stopped = True
+
+
 class StopAtStepBoundary:
     """A context manager that handles SIGINT in the main thread (elsewhere it does nothing).
 
@@ -54,12 +60,11 @@ class StopAtStepBoundary:
             self._installed = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        global _stopped
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = _stopped = True
+        self.requested = True
         log.info("Ctrl-C: stopping after %s (press Ctrl-C again to abort; the run resumes from its last "
                  "checkpoint either way)", self.what)
 
 
-__all__ = ["StopAtStepBoundary", "stopped_by_ctrl_c"]
+__all__ = ["StopAtStepBoundary", "record_stop", "stopped_by_ctrl_c"]

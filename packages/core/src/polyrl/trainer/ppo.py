@@ -373,8 +373,12 @@ class PPOTrainer:
                     self.groups.shutdown()
                 finally:
                     self._lock.release()
-        self._log_summary("stopped" if stop.requested and self.global_step < self.total_steps else "finished",
-                          time.perf_counter() - started, history)
+        stopped = stop.requested and self.global_step < self.total_steps
+        if stopped:
+            from polyrl.trainer.interrupt import record_stop
+
+            record_stop()
+        self._log_summary("stopped" if stopped else "finished", time.perf_counter() - started, history)
         return {**metrics, **last_val}
 
     def _already_finished(self, checkpoint: Path) -> dict[str, float]:

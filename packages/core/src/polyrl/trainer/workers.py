@@ -297,7 +297,11 @@ def start_ray(config: Any, run_dir: Path) -> bool:
         route_ray_worker_output()
         return True
     temp_dir = ray_temp_dir(run_dir)
-    num_cpus = config.trainer.ray_num_cpus or max(os.cpu_count() or 1, config.trainer.n_workers + config.trainer.rollout_workers)
+    t = config.trainer
+    # one CPU per worker the run starts: Ray starts that many worker processes ahead (each importing the modules
+    # below while Ray finishes starting), and each actor takes one of them
+    num_cpus = t.ray_num_cpus or t.n_workers + (t.rollout_workers if t.placement == "split" else 0)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what Ray gives an actor of one CPU; set before the preload
     ray.init(
         num_cpus=num_cpus,
         _temp_dir=str(temp_dir),
@@ -305,6 +309,25 @@ def start_ray(config: Any, run_dir: Path) -> bool:
         include_dashboard=False,
         log_to_driver=True,
         logging_level=logging.INFO,
+        _system_config={"preload_python_modules": worker_modules(config)},
     )
     route_ray_worker_output()
     return True
+
+
+def worker_modules(config: Any) -> list[str]:
+    """What a worker process imports before it becomes an actor (Ray's ``preload_python_modules``): torch,
+    transformers, tensordict, the worker and the modules of the engines and the rollout the config names."""
+    modules = ["torch", "tensordict", "transformers", "polyrl.trainer.role_worker"]
+    try:
+        from polyrl.plugins import get_plugin_manager
+
+        pm = get_plugin_manager()
+        targets = [pm.entry("engine", config.actor.engine).target_name, pm.entry("rollout", config.rollout.name).target_name]
+    except Exception:  # a name no plugin registers is reported with its key elsewhere; preloading is only a head start
+        targets = []
+    for target in targets:
+        module = str(target).split(":", 1)[0]
+        if module and module not in modules and "<" not in module:
+            modules.append(module)
+    return modules
