@@ -101,7 +101,7 @@ class Polyrl:
         from polyrl.config.roles import EngineRoleConfig, ModelConfig, OptimConfig, RolloutConfig
         from polyrl.platforms import CPUPlatform
 
-        cfg = FlowGRPOConfig(train_steps=steps)
+        cfg = FlowGRPOConfig(train_steps=steps, train_last_step=True)  # the loop trains every step too
         self.images, self.steps, self.n = images, steps, n
         self.ro = DiffusersRollout(RolloutConfig(name="diffusers", plugin_config=DiffusersRolloutConfig(
             sampler=cfg, max_batch_size=images)), model_path=model_dir)

@@ -12,11 +12,13 @@ min-max band) and prints a table with the seconds and images each needs to reach
 
 What each row trains (``trainer.flow_grpo`` keys, docs/diffusion.md "Algorithms"):
 
-* ``flow_grpo``: SDE on all ``train_steps`` sampler steps, every one trained (Flow-GRPO).
+* ``flow_grpo``: SDE on every sampler step but the last (an ODE step, as in the reference), all trained.
 * ``flow_grpo_fast``: SDE on a window of 2 steps, ODE elsewhere, only the window trained.
-* ``mix_grpo``: a 2-step SDE window that slides forward every 2 training steps.
-* ``dance_grpo``: shared initial noise per prompt group, constant noise 0.3, 60% of the steps trained.
-* ``diffusion_nft``: ODE sampling (noise level 0), forward-process flow-matching loss on the clean images.
+* ``mix_grpo``: a 2-step SDE window that slides forward every 2 training steps (the recipe: every 25), shared
+  initial noise per prompt group.
+* ``dance_grpo``: shared initial noise per prompt group, DanceGRPO's constant eta 0.3, 60% of the steps trained.
+* ``diffusion_nft``: the authors' defaults: ODE sampling by the old policy (soft-updated), forward-process loss on
+  the clean images at 5 of the 6 schedule times, adaptive weighting, KL 1e-4 to the reference.
 """
 
 from __future__ import annotations
@@ -38,8 +40,7 @@ ALGORITHMS: dict[str, list[str]] = {
     "mix_grpo": ["trainer.flow_grpo.mix_grpo.enable=true", "trainer.flow_grpo.mix_grpo.window_size=2",
                  "trainer.flow_grpo.mix_grpo.shift_interval=2"],
     "dance_grpo": ["trainer.flow_grpo.dance_grpo.enable=true"],
-    "diffusion_nft": ["trainer.flow_grpo.algorithm=diffusion_nft", "trainer.flow_grpo.noise_level=0.0",
-                      "trainer.flow_grpo.sde_window_size=1", "trainer.flow_grpo.nft.num_timesteps=4"],
+    "diffusion_nft": ["trainer.flow_grpo.algorithm=diffusion_nft"],
 }
 
 

@@ -31,7 +31,8 @@ def bench_size(size: str, root: Path, args: argparse.Namespace) -> dict:
     from polyrl.manifest import Manifest
     from polyrl.models.tiny import make_tiny_model
     from polyrl.plugins import activate
-    from polyrl.trainer.workers import build_role_groups
+    from polyrl.trainer.role_groups import build_role_groups
+    from polyrl.trainer.weight_sync import ObjectStoreWeightSync
 
     model = make_tiny_model(root / size, size=size, seed=0)
     manifest = Manifest.from_dict({"plugins": {"require": ["polyrl-engine-fsdp>=0.1,<0.2"]}})
@@ -42,13 +43,14 @@ def bench_size(size: str, root: Path, args: argparse.Namespace) -> dict:
         "trainer.weight_transfer=collective", f"trainer.device={args.device}", f"trainer.run_dir={root / 'run'}",
         f"trainer.weight_bucket_mb={args.bucket_mb}"], plugins=pm)
     groups = build_role_groups(config, manifest=manifest, use_ref=False, use_critic=False, run_dir=root / "run")
-    collective = groups.weight_transfer
+    collective = groups.weight_sync
     try:
         nbytes = sum(p.numel() * p.element_size() for p in _params(model))
         times: dict[str, list[float]] = {"object_store": [], "collective": []}
         for i in range(args.repeats + 1):
             for mode in times:
-                groups.weight_transfer = collective if mode == "collective" else None
+                by_store = ObjectStoreWeightSync(groups.actor, groups.rollout)
+                groups.weight_sync = collective if mode == "collective" else by_store
                 start = time.perf_counter()
                 groups.sync_weights()
                 if i:  # the first round sets up the weight group and warms both paths

@@ -52,3 +52,28 @@ def test_estimator_needing_sum_pi_squared_is_refused_before_workers_start(base_o
     with pytest.raises(ConfigError, match="sum_pi_squared"):
         train(manifest_file, [], base_overrides + ["trainer.executor=local", f"algorithm.adv_estimator={estimator}"])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_broken_platform_plugin_is_one_line_naming_it(base_overrides, tmp_path):
+    """A platform plugin that says it is available but has no device: named by ``trainer.device`` it stops the run
+    before anything starts, with one line naming the plugin (``auto`` skips it: packages/core/tests/test_platforms.py)."""
+    (tmp_path / "ghost_platform.py").write_text(
+        "from polyrl import hookimpl\n"
+        "from polyrl.platforms import CPUPlatform\n\n\n"
+        "class GhostPlatform(CPUPlatform):\n"
+        "    name = 'ghost'\n"
+        "    device_type = 'meta'\n\n"
+        "    def device_count(self):\n"
+        "        return 0\n\n\n"
+        "@hookimpl\n"
+        "def register_platforms(register):\n"
+        "    register('ghost', GhostPlatform, priority=99)\n")
+    manifest = tmp_path / "ghost.toml"
+    manifest.write_text('[plugins]\nrequire = ["polyrl-engine-fsdp>=0.1,<0.2"]\nmodules = ["ghost_platform"]\n')
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "polyrl", "train", "--manifest", str(manifest), *base_overrides,
+                           "trainer.device=ghost", "trainer.executor=local"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "platform 'ghost'" in err[-1] and "ghost_platform" in err[-1] and "device probe" in err[-1], err

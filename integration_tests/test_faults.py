@@ -149,6 +149,9 @@ def test_invalid_config_exits_2_with_one_line_and_leaves_no_run_dir(base_overrid
         (["actor.ppo_mini_batch_size=0"], "actor.ppo_mini_batch_size"),
         (["trainer.total_steps=-1"], "trainer.total_steps"),
         ([f"data.train_files=[{bad}]"], "bad.jsonl line 1"),
+        # used to start Ray, then fail with a traceback inside the rollout stream
+        (["trainer.async_mode=fully_async", "trainer.executor=ray", "trainer.placement=split",
+          "trainer.async_chunk_groups=-1"], "trainer.async_chunk_groups"),
     ]
     runs = [tmp_path / f"run_{i}" for i in range(len(cases))]
     procs = [_start(manifest_file, base_overrides + extra + [f"trainer.run_dir={run}"])  # side by side
@@ -168,3 +171,104 @@ def test_error_inside_a_ray_worker_is_one_line_with_its_rank(base_overrides, man
     assert lines == [lines[-1]] and "error in worker rank 0" in lines[0] and "param_dtype" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "param_dtype" in (tmp_path / "run" / "train.log").read_text()  # the full traceback went there
+
+
+# ---------------------------------------------------------------------- damaged checkpoints, a full disk
+
+
+def _shard(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step_{step}" / "actor" / "__0_0.distcp"
+
+
+def test_damaged_checkpoints_are_refused_or_skipped_for_the_newest_intact_one(base_overrides, manifest_file,
+                                                                             tmp_path):
+    run = tmp_path / "run"
+    common = _common(base_overrides, 3) + ["trainer.executor=local", f"trainer.run_dir={run}"]
+    assert _run(manifest_file, common).returncode == 0
+    corrupted, truncated = _shard(run, 3), _shard(run, 2)
+    data = bytearray(corrupted.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte in the middle of the weights: same size
+    corrupted.write_bytes(bytes(data))
+    truncated.write_bytes(truncated.read_bytes()[:1000])
+
+    # named explicitly: refused in one line that names the file
+    proc = _run(manifest_file, common + [f"trainer.resume={run / 'checkpoints' / 'step_3'}"])
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr[-3000:]
+    assert "step_3/actor/__0_0.distcp is corrupted" in err[0] and "trainer.resume=auto" in err[0]
+
+    # trainer.resume=auto: one warning naming both, then the run continues from step 1, the newest intact one
+    proc = _run(manifest_file, _common(base_overrides, 4) + ["trainer.executor=local", f"trainer.run_dir={run}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if "is damaged" in line]
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert "step_3 is damaged" in warnings[0] and "step_2 is damaged" in warnings[0] and "truncated" in warnings[0]
+    assert warnings[0].rstrip().endswith("step_1, the newest intact checkpoint")
+    assert _steps(run) == [1, 2, 3, 4] and _latest(run) == "step_4"
+    assert "Traceback" not in proc.stderr
+
+
+def test_disk_full_during_a_save_is_one_error_and_the_run_resumes(base_overrides, manifest_file, tmp_path,
+                                                                  monkeypatch):
+    """ENOSPC raised where the engine writes its shards (torch.distributed.checkpoint's FileSystemWriter), as a
+    full file system would. A value read from the environment (a secret) is recorded as its interpolation."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from polyrl.checkpoint_io import verify_files
+    from polyrl.errors import CheckpointDiskFullError
+
+    monkeypatch.setenv("POLYRL_TEST_SECRET", "hunter2-secret")
+    run = tmp_path / "run"
+    args = _common(base_overrides, 2) + ["trainer.executor=local", f"trainer.run_dir={run}",
+                                         "trainer.experiment_name=${oc.env:POLYRL_TEST_SECRET}"]
+    real_write = FileSystemWriter.write_data
+    writes: list[str] = []
+
+    def full_on_the_second_save(self, plan, planner):
+        writes.append(str(self.path))
+        if len(writes) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return real_write(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_on_the_second_save)
+    with pytest.raises(CheckpointDiskFullError) as info:
+        train(manifest_file, [], args)
+    message = str(info.value)
+    assert "\n" not in message and "disk full while saving checkpoint" in message and "step_2" in message
+    assert "No space left on device" in message and "previous checkpoint (step_1) is whole" in message
+    ckpts = run / "checkpoints"
+    assert _latest(run) == "step_1" and verify_files(ckpts / "step_1")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_1"]  # nothing half-written left
+    monkeypatch.setattr(FileSystemWriter, "write_data", real_write)
+
+    train(manifest_file, [], args)  # the resumed run resolves the interpolation again and passes the config check
+    assert _steps(run) == [1, 2] and _latest(run) == "step_2"
+    assert "${oc.env:POLYRL_TEST_SECRET}" in (run / "config.yaml").read_text()
+    for path in run.rglob("*"):
+        if path.is_file() and path.suffix in (".yaml", ".json", ".jsonl", ".toml", ".log"):
+            assert "hunter2-secret" not in path.read_text(errors="replace"), path
+
+
+def test_a_refused_resume_leaves_the_run_files_and_the_checkpoint_exports(base_overrides, tmp_path):
+    """Resuming an fsdp checkpoint with the megatron engine is refused by the engine; the run's config.yaml,
+    manifest lock and platform record stay the ones its checkpoints were written with."""
+    pytest.importorskip("megatron.core")
+    from polyrl.trainer.commands import export
+
+    manifest = tmp_path / "both.toml"
+    manifest.write_text('[plugins]\nrequire = ["polyrl-engine-fsdp", "polyrl-engine-megatron"]\n')
+    run = tmp_path / "run"
+    common = _common(base_overrides, 1) + ["trainer.executor=local", f"trainer.run_dir={run}"]
+    assert _run(manifest, common).returncode == 0
+    files = ("config.yaml", "manifest.lock.toml", "platform.json", "metrics.jsonl")
+    before = {f: (run / f).read_bytes() for f in files}
+    proc = _run(manifest, _common(base_overrides, 2) + [
+        "trainer.executor=local", f"trainer.run_dir={run}", "actor.engine=megatron",
+        "trainer.resume_override=[actor,ref]"])
+    err = [line for line in proc.stderr.strip().splitlines() if "error" in line]
+    assert proc.returncode == 2 and len(err) == 1 and "another engine" in err[0], proc.stderr[-3000:]
+    assert {f: (run / f).read_bytes() for f in files} == before
+    export(run / "checkpoints" / "step_1", tmp_path / "hf", manifest)
+    assert (tmp_path / "hf" / "config.json").exists()

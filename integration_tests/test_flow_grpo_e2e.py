@@ -31,7 +31,7 @@ def setup(tmp_path_factory):
     (root / "polyrl.toml").write_text('[plugins]\nrequire = ["polyrl-engine-fsdp", "polyrl-diffusion"]\n')
     import ray
 
-    from polyrl.trainer.workers import ray_temp_dir
+    from polyrl.trainer.role_groups import ray_temp_dir
 
     # one local Ray for both runs (each run would otherwise start and stop its own: most of the wall time)
     ray.init(num_cpus=2, _temp_dir=str(ray_temp_dir(root)), _node_ip_address="127.0.0.1", include_dashboard=False,
@@ -49,9 +49,10 @@ def _run(setup: dict[str, Path], name: str, reward: str) -> list[float]:
         *flow_grpo_overrides(setup["model"], root / "train.jsonl", run, batch=4, n=4, lr=3e-3, steps=16,
                              sampler_steps=6, reward=reward, executor="ray"),
         "trainer.n_workers=2", "trainer.ray_num_cpus=2", "trainer.flow_grpo.sde_window_size=3",
-        # runs are reproducible from trainer.seed (both runs draw the same noise). Measured 2026-11-23 over
-        # seeds 1, 2, 3 (4-step means, 16 steps): gain 0.192 / 0.311 / 0.224, control drift 0.071 / 0.000 /
-        # 0.028. With 10 steps and 3-step means seed 1 failed (gain 0.056, drift 0.045): too short a walk.
+        # runs are reproducible from trainer.seed (both runs draw the same noise). Measured with the reference
+        # defaults (the last step ODE and untrained, Flow-GRPO's global std) over seeds 1, 2, 3 (4-step means, 16
+        # steps): gain 0.241 / 0.314 / 0.225, control drift 0.033 / 0.014 / -0.027 (before them: 0.192 / 0.311 /
+        # 0.224 and 0.071 / 0.000 / 0.028). With 10 steps and 3-step means seed 1 once failed: too short a walk.
         "trainer.seed=2",
     ])
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

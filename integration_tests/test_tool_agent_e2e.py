@@ -8,7 +8,11 @@ trajectories that call the tool rises.
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +69,92 @@ def test_grpo_raises_tool_use(tool_task, tiny_model, manifest_file):
         assert r["agent/tool_calls/total"] >= 1 and "agent/tool_time_s/mean" in r
         # the model tokens were sampled by the hf rollout from the weights the actor recomputes
         assert r.get("rollout/logprob_diff_mean", 0.0) < 1e-3
+
+
+#: A plugin for the runs below: tools that misbehave, and a parser that makes every turn call one of them
+#: (a random tiny model would rarely call a tool by itself).
+MISBEHAVING_TOOLS = '''
+import threading
+
+from polyrl import hookimpl
+from polyrl.protocols import ToolResult
+from polyrl.tools import ParsedTurn, ToolCall, tool
+
+
+@tool
+def hang(x: int) -> str:
+    """Never returns.
+
+    Args:
+        x: anything.
+    """
+    threading.Event().wait()
+    return ""
+
+
+@tool
+def nan_reward(x: int) -> ToolResult:
+    """Returns a NaN reward.
+
+    Args:
+        x: anything.
+    """
+    return ToolResult("graded", reward=float("nan"))
+
+
+def always(name):
+    class AlwaysCalls:
+        def parse(self, text):
+            return ParsedTurn("", [ToolCall(name, {"x": 1})])
+    return AlwaysCalls
+
+
+@hookimpl
+def register_tools(register):
+    register("hang", hang)
+    register("nan_reward", nan_reward)
+
+
+@hookimpl
+def register_tool_parsers(register):
+    register("always_hang", always("hang"))
+    register("always_nan_reward", always("nan_reward"))
+'''
+
+
+def _misbehaving_run(tmp_path, base_overrides, tool: str) -> tuple[subprocess.CompletedProcess, Path]:
+    (tmp_path / "misbehaving_tools.py").write_text(MISBEHAVING_TOOLS)
+    manifest = tmp_path / "polyrl-tools.toml"
+    manifest.write_text('[plugins]\nrequire = ["polyrl-engine-fsdp>=0.1,<0.2"]\nmodules = ["misbehaving_tools"]\n')
+    run = tmp_path / f"run-{tool}"
+    overrides = [o for o in base_overrides if not o.startswith(("trainer.run_dir", "trainer.total_steps",
+                                                                "data.max_response_length", "data.train_batch_size",
+                                                                "rollout.n"))]
+    overrides += [f"trainer.run_dir={run}", "trainer.total_steps=1", "trainer.executor=local",
+                  "trainer.val_before_train=false", "data.train_batch_size=2", "rollout.n=2",
+                  "data.max_response_length=48", "agent.default_loop=tool_agent", f"agent.tools=[{tool}]",
+                  f"agent.tool_parser=always_{tool}", "agent.tool_timeout_s=0.5", "agent.max_turns=2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    proc = subprocess.run([sys.executable, "-m", "polyrl", "train", "--manifest", str(manifest), *overrides],
+                          env=env, capture_output=True, text=True, timeout=300)
+    return proc, run
+
+
+def test_a_hung_sync_tool_times_out_is_reported_and_the_run_still_exits(tmp_path, base_overrides):
+    """A synchronous tool that never returns: every call times out, the metrics and a warning say threads
+    hang, and ``polyrl train`` (local executor) exits after its last step instead of waiting for them."""
+    proc, run = _misbehaving_run(tmp_path, base_overrides, "hang")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in rows if "agent/tools_hung" in r)
+    assert step["agent/tools_hung"] >= 1 and step["agent/tool_timeouts/total"] >= 2
+    assert "tool 'hang' did not return" in proc.stderr
+
+
+def test_a_nan_tool_reward_is_one_line_naming_the_tool(tmp_path, base_overrides):
+    proc, _ = _misbehaving_run(tmp_path, base_overrides, "nan_reward")
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "tool 'nan_reward' returned ToolResult(reward=nan)" in last, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "reward function" not in last

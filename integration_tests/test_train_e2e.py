@@ -44,6 +44,7 @@ def test_grpo_ray_two_workers(base_overrides, manifest_file, tmp_path):
     train(manifest_file, [], base_overrides + ["trainer.executor=ray", "trainer.n_workers=2", "trainer.ray_num_cpus=2"])
     rows = _check_run(tmp_path / "run", 2)
     assert all(r["batch/rank_tokens_max_over_mean"] >= 1.0 for r in rows)
+    assert all(r["perf/colocated/max_rss_gb"] > 0.05 for r in rows)  # each worker's Platform.memory_stats
     log = (tmp_path / "run" / "train.log").read_text()  # the driver's and every worker's records, one file
     assert "INFO polyrl.platforms: platform cpu" in log and "[worker rank 1] polyrl.trainer.role_worker:" in log
 
@@ -104,6 +105,7 @@ def test_grpo_split_placement(base_overrides, manifest_file, tmp_path):
     rows = _check_run(tmp_path / "run", 2)
     # the rollout samples from the synced actor: its log-probs match the actor's recomputation
     assert all(r["rollout/logprob_diff_mean"] < 1e-4 for r in rows)
+    assert all(r["perf/actor/max_rss_gb"] > 0.05 and r["perf/rollout/max_rss_gb"] > 0.05 for r in rows)
 
 
 def test_dapo_dynamic_sampling_and_overlong_penalty(base_overrides, manifest_file, tmp_path):

@@ -12,8 +12,8 @@ def test_collective_weight_transfer_matches_the_object_store(base_overrides, man
     from polyrl.config.loader import load_config
     from polyrl.config.schema import PolyrlConfig
     from polyrl.trainer.commands import _plugins
-    from polyrl.trainer.weight_transfer import CollectiveWeightSync
-    from polyrl.trainer.workers import build_role_groups
+    from polyrl.trainer.role_groups import build_role_groups
+    from polyrl.trainer.weight_sync import CollectiveWeightSync, ObjectStoreWeightSync
 
     manifest, pm = _plugins(manifest_file)
     config = load_config(PolyrlConfig, [], base_overrides + [
@@ -21,7 +21,7 @@ def test_collective_weight_transfer_matches_the_object_store(base_overrides, man
         "trainer.weight_transfer=collective", "trainer.device=cpu"], plugins=pm)
     groups = build_role_groups(config, manifest=manifest, use_ref=False, use_critic=False, run_dir=tmp_path / "run")
     try:
-        assert isinstance(groups.weight_transfer, CollectiveWeightSync)
+        assert isinstance(groups.weight_sync, CollectiveWeightSync)
 
         def scramble(worker, seed):
             g = torch.Generator().manual_seed(seed)
@@ -38,12 +38,13 @@ def test_collective_weight_transfer_matches_the_object_store(base_overrides, man
         def states():
             return ray.get([w.__ray_call__.remote(rollout_state) for w in groups.rollout.workers])
 
-        collective = groups.weight_transfer
+        collective = groups.weight_sync
         results = {}
         for mode in ("object_store", "collective"):
             ray.get([w.__ray_call__.remote(scramble, i) for i, w in enumerate(groups.rollout.workers)])
             scrambled = states()
-            groups.weight_transfer = collective if mode == "collective" else None
+            by_store = ObjectStoreWeightSync(groups.actor, groups.rollout)
+            groups.weight_sync = collective if mode == "collective" else by_store
             groups.sync_weights()
             results[mode] = states()
             assert any(not torch.equal(scrambled[0][k], results[mode][0][k]) for k in scrambled[0]), mode

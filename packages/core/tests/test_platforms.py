@@ -154,8 +154,86 @@ def test_choice_is_logged_and_written_to_the_run_directory(fakes, tmp_path, capl
         choice = select_platform("auto", fakes, environ={})
     assert "platform mid (detected" in caplog.text
     written = json.loads(choice.write(tmp_path).read_text())
-    assert written["name"] == "mid" and written["dist_backend"] == "gloo" and written["weight_ipc"] == "shared_memory"
+    assert written["name"] == "mid" and written["dist_backend"] == "gloo"
     assert written["probes"]["high"].startswith("not available")
+
+
+# ---------------------------------------------------------------------- broken platform plugins
+
+
+class _Raising(_Fake):
+    """Its availability check raises (a plugin bug, or a device runtime that fails to load)."""
+
+    name = "raising"
+
+    def is_available(self):
+        raise OSError("libfoo.so: cannot open shared object file\n(and a second line)")
+
+
+class _Claiming(_Fake):
+    """Says it is available but has no device: its device probe finds none."""
+
+    name = "claiming"
+    device_type = "meta"
+
+    def device_count(self):
+        return 0
+
+
+class _ClaimingRaising(_Claiming):
+    name = "claiming_raising"
+
+    def device_count(self):
+        raise RuntimeError("driver not loaded")
+
+
+class _BrokenPlatforms:
+    @hookimpl
+    def register_platforms(self, register):
+        register("raising", _Raising, priority=90)
+        register("claiming", _Claiming, priority=80)
+        register("claiming_raising", _ClaimingRaising, priority=70)
+
+
+@pytest.fixture
+def broken(polyrl_plugins):
+    polyrl_plugins.register(_BrokenPlatforms(), "broken-platforms")
+    return polyrl_plugins.pm
+
+
+@pytest.mark.parametrize(("name", "needle"), [
+    ("raising", "is_available() raised OSError: libfoo.so: cannot open shared object file"),
+    ("claiming", "it says it is available, but its device probe found no meta device"),
+    ("claiming_raising", "device probe (device_count()) raised RuntimeError: driver not loaded"),
+])
+def test_a_named_broken_platform_is_one_line_naming_its_plugin(broken, name, needle):
+    with pytest.raises(ConfigError) as info:
+        select_platform(name, broken, environ={})
+    message = str(info.value)
+    assert needle in message and "plugin 'broken-platforms'" in message and "\n" not in message, message
+
+
+def test_auto_skips_broken_platforms_with_a_warning_and_records_their_probes(broken, caplog, tmp_path):
+    import json
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="polyrl.platforms"):
+        choice = select_platform("auto", broken, environ={})
+    assert choice.name == "cpu"  # every broken one skipped, the next in priority order taken
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 3 and all("broken-platforms" in w and "is skipped" in w for w in warned), warned
+    probes = json.loads(choice.write(tmp_path).read_text())["probes"]
+    assert probes["raising"].startswith("error: its is_available() raised OSError")
+    assert probes["claiming"].startswith("error: it says it is available") and probes["cpu"] == "available"
+
+
+def test_an_unavailable_reason_that_raises_does_not_hide_the_answer(fakes, monkeypatch):
+    def boom(self):
+        raise KeyError("x")
+
+    monkeypatch.setattr(_High, "unavailable_reason", boom)
+    with pytest.raises(ConfigError, match=r"is not available on this machine: \(its unavailable_reason\(\) raised"):
+        select_platform("high", fakes, environ={})
 
 
 # ---------------------------------------------------------------------- placement

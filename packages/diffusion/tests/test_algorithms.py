@@ -51,11 +51,14 @@ def adv_of(scores, index, t=3, **kw) -> torch.Tensor:
 
 def test_group_formula_on_fixed_inputs():
     scores = [1.0, 2.0, 4.0, 10.0, 10.0, 13.0]
-    adv = adv_of(scores, [0, 0, 0, 1, 1, 1])
+    group = adv_of(scores, [0, 0, 0, 1, 1, 1], global_std=False, std_unbiased=True)  # DanceGRPO / MixGRPO's std
+    population = adv_of(scores, [0, 0, 0, 1, 1, 1], global_std=False)
     for g in (slice(0, 3), slice(3, 6)):
         s = torch.tensor(scores[g], dtype=torch.float64)
         expected = (s - s.mean()) / (s.std() + 1e-4)  # unbiased std over the group's samples
-        assert torch.allclose(adv[g].double(), expected, atol=1e-6)
+        assert torch.allclose(group[g].double(), expected, atol=1e-6)
+        expected = (s - s.mean()) / (s.std(unbiased=False) + 1e-4)  # numpy's std, Flow-GRPO's
+        assert torch.allclose(population[g].double(), expected, atol=1e-6)
 
 
 def test_zero_group_mean_constant_and_single_groups_zero():
@@ -81,8 +84,8 @@ def test_affine_invariance():
 
 def test_global_std_is_the_batch_std_over_samples():
     scores = [1.0, 3.0, 10.0, 30.0]
-    adv = adv_of(scores, [0, 0, 1, 1], global_std=True)
-    std = torch.tensor(scores, dtype=torch.float64).std()
+    adv = adv_of(scores, [0, 0, 1, 1])  # the default: Flow-GRPO's global population std
+    std = torch.tensor(scores, dtype=torch.float64).std(unbiased=False)
     assert torch.allclose(adv.double(), torch.tensor([-1.0, 1.0, -10.0, 10.0], dtype=torch.float64) / (std + 1e-4),
                           atol=1e-6)
 
@@ -105,7 +108,7 @@ def test_std_over_samples_not_over_the_timestep_expansion():
     steps are trained. polyrl's do not."""
     scores = [0.0, 1.0, 0.0, 1.0]  # N = 4 samples, one group
     index = [0, 0, 0, 0]
-    per_t = [adv_of(scores, index, t=t, global_std=True, adv_clip_max=0) for t in (1, 2, 10)]
+    per_t = [adv_of(scores, index, t=t, global_std=True, std_unbiased=True, adv_clip_max=0) for t in (1, 2, 10)]
     assert torch.allclose(per_t[0], per_t[1]) and torch.allclose(per_t[0], per_t[2])
     sample_std = torch.tensor(scores).std()
     expanded_std = torch.tensor(scores).unsqueeze(-1).expand(4, 10).std()  # what the reviewed code computes

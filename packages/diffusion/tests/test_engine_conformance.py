@@ -55,3 +55,32 @@ class TestDiffusersEngineConformance(EngineConformance):
             return DiffusersEngine(cfg, role=role, model_type="diffusion", platform=CPUPlatform())
 
         return make
+
+
+class _Payload:
+    """Unpickling this runs ``open(marker, 'w')``: what a planted checkpoint would do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_planted_checkpoint_metadata_is_refused_and_runs_nothing(model_dir, tmp_path):
+    """The diffusers engine loads its checkpoints through polyrl.checkpoint_io (its fsdp base's loader)."""
+    import pickle
+
+    from polyrl_diffusion.engine import DiffusersEngine
+
+    from polyrl.errors import CheckpointError
+
+    cfg = EngineRoleConfig(engine="diffusers", model=ModelConfig(path=str(model_dir)), optim=OptimConfig(lr=1e-3))
+    engine = DiffusersEngine(cfg, role="actor", model_type="diffusion", platform=CPUPlatform())
+    ck = tmp_path / "ck"
+    engine.save_checkpoint(str(ck))
+    marker = tmp_path / "pwned"
+    (ck / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    with pytest.raises(CheckpointError, match=r"ck/\.metadata .*not allowed"):
+        engine.load_checkpoint(str(ck))
+    assert not marker.exists(), "loading the checkpoint ran code stored in it"

@@ -24,7 +24,7 @@ def rollout_batch(b: int = 4) -> TensorDict:
 
 
 def test_forward_process_batch():
-    cfg = DiffusionNFTConfig(num_timesteps=3, adv_clip_max=1.0)
+    cfg = DiffusionNFTConfig(times="uniform", num_timesteps=3, adv_clip_max=1.0)
     batch = rollout_batch()
     data = nft_batch(batch, cfg, generator=torch.Generator().manual_seed(1))
     x0 = batch["x0"].unsqueeze(1)
@@ -41,7 +41,7 @@ def test_forward_process_batch():
 
 
 def test_engine_loss_adds_up_over_micro_batches():
-    cfg = DiffusionNFTConfig(num_timesteps=2, beta=0.5)
+    cfg = DiffusionNFTConfig(times="uniform", num_timesteps=2, beta=0.5)
     data = nft_batch(rollout_batch(), cfg, generator=torch.Generator().manual_seed(2))
     data["nft_old_velocity"] = torch.randn_like(data["latents"])
     v = torch.randn_like(data["latents"])
@@ -53,7 +53,8 @@ def test_engine_loss_adds_up_over_micro_batches():
     flat = (8, 2, 4, 4)
     direct, _ = compute_diffusion_nft_loss(v.reshape(flat), data["nft_old_velocity"].reshape(flat),
                                            data["nft_target"].reshape(flat),
-                                           data["nft_reward_prob"].repeat_interleave(2), beta=0.5)
+                                           data["nft_reward_prob"].repeat_interleave(2), beta=0.5, adaptive_weight=True,
+                                           t=data["sigmas"].reshape(-1), policy_scale=cfg.adv_clip_max)
     assert float(whole) == pytest.approx(float(direct), rel=1e-6)
 
 

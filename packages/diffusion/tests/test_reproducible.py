@@ -47,8 +47,9 @@ def _run(setup: dict, name: str, seed: int, extra: list[str]) -> list[dict]:
 
 
 @pytest.mark.parametrize("algo, extra", [
-    ("flow_grpo", ["trainer.flow_grpo.timestep_fraction=0.5", "trainer.flow_grpo.sde_window_size=2",
-                   "trainer.flow_grpo.sde_window_start=2", "trainer.flow_grpo.sde_window_random=true"]),
+    ("flow_grpo", ["trainer.flow_grpo.sde_window_size=2", "trainer.flow_grpo.sde_window_start=1",
+                   "trainer.flow_grpo.sde_window_random=true"]),
+    ("dance_grpo", ["trainer.flow_grpo.dance_grpo.enable=true", "trainer.flow_grpo.dance_grpo.timestep_fraction=0.5"]),
     ("diffusion_nft", ["trainer.flow_grpo.algorithm=diffusion_nft", "trainer.flow_grpo.noise_level=0.0",
                        "trainer.flow_grpo.sde_window_size=1", "actor.ppo_epochs=2"]),
 ])

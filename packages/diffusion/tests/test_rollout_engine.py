@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from polyrl_diffusion.config import DanceGRPOConfig, DiffusersRolloutConfig, FlowGRPOConfig
+from polyrl_diffusion.config import DanceGRPOConfig, DiffusersRolloutConfig, FlowGRPOConfig, MixGRPOConfig
 from polyrl_diffusion.models import make_tiny_pipeline, pipeline_family
 from polyrl_diffusion.worker import collate_images
 
@@ -24,7 +24,8 @@ def model_dir(request, tmp_path_factory):
 def _rollout(path, **sampler):
     from polyrl_diffusion.rollout import DiffusersRollout
 
-    cfg = FlowGRPOConfig(**{"train_steps": 6, "eval_steps": 8, "sde_window_size": 3, "sde_window_start": 1, **sampler})
+    cfg = FlowGRPOConfig(**{"train_steps": 6, "eval_steps": 8, "sde_window_size": 3, "sde_window_start": 1,
+                            "sde_window_random": False, **sampler})
     return DiffusersRollout(RolloutConfig(name="diffusers", plugin_config=DiffusersRolloutConfig(sampler=cfg)),
                             model_path=str(path))
 
@@ -43,12 +44,12 @@ def _engine(path, role="actor", **kw):
 
 
 def test_rollout_batch_fields_and_engine_recomputes_the_log_probs(model_dir):
-    rollout = _rollout(model_dir, cfg_scale=2.0, timestep_fraction=0.67)
+    rollout = _rollout(model_dir, cfg_scale=2.0, timestep_fraction=0.34)  # int(0.34 * 6) = 2: window steps 1, 2
     assert isinstance(rollout, Rollout)
     batch = collate_images([type("O", (), {"extra": r.extra})() for r in rollout.generate(_requests())])
     assert batch["latents"].shape == (4, 2, 3, 8, 8) and batch["rollout_log_probs"].shape == (4, 2)
     assert batch["images"].dtype == torch.uint8 and batch["images"].shape == (4, 3, 8, 8)
-    assert torch.all((batch["step_index"] >= 1) & (batch["step_index"] <= 3))
+    assert batch["step_index"].tolist() == [[1, 2]] * 4  # Flow-GRPO trains the first steps, in order
     assert "negative_prompt_embeds" in batch.keys() and torch.all(batch["guidance_scale"] == 2.0)
     engine = _engine(model_dir)
     out = engine.infer_batch(batch)
@@ -84,7 +85,7 @@ def test_dance_grpo_shares_the_initial_noise_within_a_group(model_dir):
     noise = batch["initial_noise"]
     assert torch.equal(noise[0], noise[1]) and torch.equal(noise[1], noise[2]) and torch.equal(noise[3], noise[5])
     assert not torch.equal(noise[0], noise[3])
-    assert batch["latents"].shape[1] == 3  # half of the 6 steps trained
+    assert batch["latents"].shape[1] == 2  # int(0.5 * 5): the last of the 6 steps is never trained
     assert torch.all(batch["noise_levels"] == 0.3)
     assert not torch.equal(batch["x0"][0], batch["x0"][1])  # same start, different SDE paths
 
@@ -114,3 +115,31 @@ def test_unsupported_pipeline_and_long_prompt_are_clear_errors(model_dir, tmp_pa
         rollout.generate(_requests(prompt="a " * 20))
     with pytest.raises(KeyError, match="nope"):
         rollout.update_weights([("nope", torch.zeros(1))])
+
+
+@pytest.mark.parametrize("sampler", [
+    {"dance_grpo": DanceGRPOConfig(enable=True, noise_level=0.3, timestep_fraction=0.5), "sde_window_size": 0},
+    {"sde_type": "cps", "noise_level": 0.8},
+], ids=["dance", "cps"])
+def test_engine_recomputes_the_log_probs_of_dance_and_cps_steps(model_dir, sampler):
+    """The batch's ``sde_type`` tells the engine which step the rollout drew: on-policy the ratio is 1."""
+    rollout = _rollout(model_dir, **sampler)
+    batch = collate_images([type("O", (), {"extra": r.extra})() for r in rollout.generate(_requests())])
+    out = _engine(model_dir).infer_batch(batch)
+    assert torch.allclose(out["log_probs"], batch["rollout_log_probs"], atol=1e-5)
+    wrong = batch.clone()
+    wrong["sde_type"] = torch.zeros_like(batch["sde_type"])  # read as Flow-GRPO's SDE: other log-probs
+    assert not torch.allclose(_engine(model_dir).infer_batch(wrong)["log_probs"], batch["rollout_log_probs"], atol=1e-3)
+
+
+@pytest.mark.parametrize("sampler, shared", [
+    ({}, False),
+    ({"same_initial_noise": True}, True),
+    ({"sde_window_size": 0, "mix_grpo": MixGRPOConfig(enable=True, window_size=2)}, True),
+    ({"sde_window_size": 0, "mix_grpo": MixGRPOConfig(enable=True, window_size=2), "same_initial_noise": False}, False),
+], ids=["flow_grpo", "same_initial_noise", "mix_grpo", "mix_grpo_off"])
+def test_shared_initial_noise_per_prompt_group(model_dir, sampler, shared):
+    noise = collate_images([type("O", (), {"extra": r.extra})()
+                            for r in _rollout(model_dir, **sampler).generate(_requests(groups=2, n=3))])["initial_noise"]
+    assert torch.equal(noise[0], noise[1]) is shared and torch.equal(noise[3], noise[5]) is shared
+    assert not torch.equal(noise[0], noise[3])  # never across groups

@@ -47,5 +47,55 @@ def test_bad_input_is_refused_before_workers_start(setup, tmp_path, data, family
 
 def test_one_local_step_runs(setup, tmp_path):
     metrics = _train(setup, tmp_path, extra=("trainer.flow_grpo.train_steps=4", "trainer.flow_grpo.cfg_scale=2.0"))
-    assert "critic/score/mean" in metrics and metrics["diffusion/trained_steps"] == 4
+    assert "critic/score/mean" in metrics and metrics["diffusion/trained_steps"] == 3  # the last step is not
     assert metrics["throughput/images_per_s"] > 0
+
+
+@pytest.mark.parametrize("extra, match", [
+    (("trainer.flow_grpo.noise_level=nan",), r"^trainer\.flow_grpo\.noise_level=nan must be a finite number$"),
+    (("trainer.flow_grpo.height=-8",), r"^trainer\.flow_grpo\.height=-8 must be >= 0$"),
+    (("trainer.flow_grpo.width=7",), r"^trainer\.flow_grpo\.width=7: give a multiple of 2 pixels"),
+    (("trainer.flow_grpo.cfg_scale=inf",), r"trainer\.flow_grpo\.cfg_scale=inf must be a finite number"),
+    (("trainer.flow_grpo.dance_grpo.noise_level=-0.1",), r"trainer\.flow_grpo\.dance_grpo\.noise_level=-0\.1 must"),
+    (("trainer.flow_grpo.ema.decay=1.0",), r"trainer\.flow_grpo\.ema\.decay=1\.0 must be in \[0, 1\)"),
+    (("trainer.flow_grpo.algorithm=diffusion_nft", "trainer.flow_grpo.nft.beta=nan"), r"trainer\.flow_grpo\.nft\.beta=nan"),
+    (("rollout.diffusers.max_batch_size=0",), r"rollout\.diffusers\.max_batch_size=0 must be >= 1"),
+    (("actor.diffusers.fsdp_size=0",), r"actor\.diffusers\.fsdp_size=0"),
+    (("trainer.flow_grpo.noise_level=0",), r"noise_level=0 makes every step an ODE step"),
+    (("trainer.flow_grpo.train_steps=1",), r"train_steps=1 leaves no step to train"),
+    (("trainer.flow_grpo.sde_type=ode",), r"sde_type='ode': choose"),
+    (("trainer.flow_grpo.kl_form=k3",), r"kl_form='k3': choose"),
+])
+def test_bad_numbers_are_one_line_errors_before_workers_start(setup, tmp_path, extra, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        _train(setup, tmp_path, extra=extra)
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_every_numeric_key_of_the_diffusion_blocks_is_checked():
+    """Each int / float key of trainer.flow_grpo (nested blocks too) and rollout.diffusers has a range, and a NaN
+    (floats) or a value below its range (ints) is refused with its key named."""
+    import dataclasses
+    import math
+    import re
+
+    from polyrl_diffusion.config import RANGES, DiffusersRolloutConfig, FlowGRPOConfig, _numbers, check_numbers
+    from polyrl_diffusion.sampler import check_sampler_config
+
+    def replaced(cfg, dotted, value):
+        head, _, rest = dotted.partition(".")
+        if not rest:
+            return dataclasses.replace(cfg, **{head: value})
+        return dataclasses.replace(cfg, **{head: replaced(getattr(cfg, head), rest, value)})
+
+    keys = _numbers(FlowGRPOConfig())
+    assert {k for k, _ in keys} <= set(RANGES), "a numeric key without a range"
+    for key, value in keys:
+        low = RANGES[key][0]
+        bad = math.nan if isinstance(value, float) else int(low) - 1
+        with pytest.raises(ConfigError, match="^" + re.escape(f"trainer.flow_grpo.{key}=")):
+            check_sampler_config(replaced(FlowGRPOConfig(), key, bad))
+    for key, _ in _numbers(DiffusersRolloutConfig(), skip=("sampler",)):
+        with pytest.raises(ConfigError, match=rf"rollout\.diffusers\.{key}="):
+            check_numbers(replaced(DiffusersRolloutConfig(), key, -1), "rollout.diffusers", skip=("sampler",))

@@ -128,7 +128,7 @@ def main() -> None:
         m = engine.train_batch(shard, loss_fn)
         results["grad_norm"].append(m["actor/grad_norm"])
         # the metric is this rank's mean over its micro-batches; the mini-batch loss is the sum over all / dp
-        real = [r for r in engine._split(shard, engine.config.use_dynamic_bsz) if r is not None]
+        real = [r for r in engine.split_micro_batches(shard, engine.config.use_dynamic_bsz) if r is not None]
         total = torch.tensor([m["loss"] * len(real)], dtype=torch.float64)
         torch.distributed.all_reduce(total)
         results["loss"].append(float(total) / world)

@@ -162,7 +162,7 @@ def test_dynamic_micro_batches_give_the_same_gradients(model_dir):
     w1 = dict(p for bucket in fixed.weights_for_rollout() for p in bucket)
     w2 = dict(p for bucket in dynamic.weights_for_rollout() for p in bucket)
     assert all(torch.allclose(w1[n], w2[n], atol=1e-6) for n in w1)
-    splits = dynamic._split(b, True)
+    splits = dynamic.split_micro_batches(b, True)
     assert len(splits) > 1
     from polyrl_engine_fsdp.engine import _trim
 

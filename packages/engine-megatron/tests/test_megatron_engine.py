@@ -247,6 +247,59 @@ def test_load_refuses_an_fsdp_checkpoint(model_dir, tmp_path):
         make_engine(str(model_dir)).load_checkpoint(str(tmp_path / "ckpt"))
 
 
+class _Payload:
+    """Unpickling this runs ``open(marker, 'w')``: what a planted checkpoint would do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.fixture(scope="module")
+def trained_checkpoint(model_dir, tmp_path_factory):
+    """A one-rank engine after one step and its checkpoint (megatron writes optimizer state once it exists)."""
+    engine = make_engine(str(model_dir))
+    engine.train_batch(batch(), loss_fn)
+    ck = tmp_path_factory.mktemp("mg") / "ckpt"
+    engine.save_checkpoint(str(ck))
+    return engine, ck
+
+
+@pytest.mark.parametrize("planted", [".metadata", "common.pt", "extra_rank0.pt"])
+def test_planted_pickle_payload_is_refused_and_runs_nothing(trained_checkpoint, tmp_path, planted):
+    """megatron-core's own loaders unpickle the DCP metadata (and, by default settings, common.pt) without an
+    allow-list: a payload there ran on resume. Every file now goes through polyrl.checkpoint_io."""
+    import pickle
+    import shutil
+
+    engine, saved = trained_checkpoint
+    ck = tmp_path / "ckpt"
+    shutil.copytree(saved, ck)
+    marker = tmp_path / "pwned"
+    if planted == ".metadata":
+        (ck / planted).write_bytes(pickle.dumps(_Payload(str(marker))))
+    elif planted == "common.pt":
+        torch.save({"optimizer": _Payload(str(marker))}, ck / planted)
+    else:
+        torch.save({"rng": _Payload(str(marker)), "schedulers": []}, ck / planted)
+    with pytest.raises(CheckpointError, match=rf"{planted}.*(not allowed|not plain data|refused)"):
+        engine.load_checkpoint(str(ck))
+    assert not marker.exists(), "loading the checkpoint ran code stored in it"
+
+
+def test_intact_checkpoint_still_loads_through_the_safe_loader(trained_checkpoint):
+    from polyrl.checkpoint_io import verify_files
+
+    engine, ck = trained_checkpoint
+    assert verify_files(ck)  # sizes and digests recorded at save
+    before = engine.infer_batch(batch())["log_probs"]
+    engine.train_batch(batch(), loss_fn)
+    engine.load_checkpoint(str(ck))
+    assert torch.allclose(engine.infer_batch(batch())["log_probs"], before, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------- bad input, before any group
 
 

@@ -45,7 +45,7 @@ def test_placement_and_environment_checks_of_the_suite_pass_without_hardware():
 def test_names_backends_and_resources():
     p = NPUPlatform()
     assert (p.name, p.device_type, p.dist_backend, p.weight_sync_backend) == ("npu", "npu", "hccl", "hccl")
-    assert (p.visible_devices_env, p.ray_resource, p.weight_ipc) == ("ASCEND_RT_VISIBLE_DEVICES", "NPU", "none")
+    assert (p.visible_devices_env, p.ray_resource) == ("ASCEND_RT_VISIBLE_DEVICES", "NPU")
     env = p.worker_env()
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" and int(env["HCCL_CONNECT_TIMEOUT"]) >= 600
 

@@ -43,7 +43,7 @@ def test_placement_and_environment_checks_of_the_suite_pass_without_hardware():
 def test_names_backends_and_resources():
     p = ROCmPlatform()
     assert (p.name, p.device_type, p.dist_backend, p.weight_sync_backend) == ("rocm", "cuda", "nccl", "nccl")
-    assert (p.visible_devices_env, p.ray_resource, p.weight_ipc) == ("HIP_VISIBLE_DEVICES", "GPU", "cuda_ipc")
+    assert (p.visible_devices_env, p.ray_resource) == ("HIP_VISIBLE_DEVICES", "GPU")
 
 
 def test_worker_env_keeps_cuda_visible_devices_in_step_with_hip(monkeypatch):

@@ -1,4 +1,5 @@
-"""The ``polyrl`` command line: ``train``, ``sft``, ``export``, ``plot``, ``plugins``, ``new-plugin``.
+"""The ``polyrl`` command line: ``train``, ``sft``, ``export``, ``plot``, ``view``, ``profile``, ``serve``,
+``plugins``, ``new-plugin``.
 
 Errors that a user can fix (:class:`polyrl.errors.PolyrlError`) print as one
 message on stderr with exit code 2; ``--traceback`` or ``POLYRL_DEBUG=1`` shows
@@ -88,7 +89,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Write a checkpoint's actor as an HF folder."""
     from polyrl.trainer.commands import export
 
-    out = export(args.checkpoint, args.to, args.manifest, args.overrides)
+    out = export(args.checkpoint, args.to, args.manifest, args.overrides, trust_remote_code=args.trust_remote_code,
+                 allow_run_modules=args.allow_run_modules)
     logging.getLogger("polyrl.cli").info("exported %s to %s", args.checkpoint, out)
     return 0
 
@@ -99,6 +101,52 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
     print(plot(args.run_dir, args.out))
     return 0
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    """Write a run's HTML report (curves, validation samples, images, config) and print its path."""
+    from polyrl.report import write_report
+
+    out = write_report(args.run_dir, args.out)
+    print(out)
+    if args.open:
+        import webbrowser
+
+        webbrowser.open(out.resolve().as_uri())
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Where a run's step time went: driver phases and, per worker process, calls and top operators."""
+    from polyrl.profiling import summarize_profile
+
+    print(summarize_profile(args.run_dir, step=args.step, top=args.top))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """An OpenAI-compatible server over an HF folder, a checkpoint or a run's newest checkpoint."""
+    import shlex
+
+    from polyrl.serving import serve
+
+    return serve(args.path, host=args.host, port=args.port, backend=args.backend, name=args.name,
+                 manifest=args.manifest, trust_remote_code=args.trust_remote_code, max_model_len=args.max_model_len,
+                 vllm_args=shlex.split(args.vllm_args or ""))
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="an HF model folder, a checkpoint (RUN_DIR/checkpoints/step_N) or a run directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; "
+                   "0.0.0.0 opens it to the network)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--backend", default="auto", choices=["auto", "vllm", "hf"],
+                   help="vllm (fast; when installed), hf (transformers, one request at a time), auto (default)")
+    p.add_argument("--name", help="the model name clients send (default: the folder's or run's name)")
+    p.add_argument("--manifest", "-m", help="manifest for exporting a checkpoint (default: the run's)")
+    p.add_argument("--max-model-len", type=int, help="longest prompt plus completion, in tokens")
+    p.add_argument("--trust-remote-code", action="store_true", help="run the model folder's own Python code")
+    p.add_argument("--vllm-args", help="more arguments for vLLM's server, one string: --vllm-args '--dtype float16'")
 
 
 def cmd_new_plugin(args: argparse.Namespace) -> int:
@@ -121,10 +169,21 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str, Callable[[ar
         p.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N"),
         p.add_argument("--to", required=True, help="output folder"),
         p.add_argument("--manifest", "-m", help="manifest (default: the run's manifest.lock.toml)"),
+        p.add_argument("--trust-remote-code", action="store_true", help="allow the run's config to set "
+                       "actor.model.trust_remote_code (runs Python files shipped with the model; refused otherwise)"),
+        p.add_argument("--allow-run-modules", action="store_true", help="allow the run's manifest.lock.toml to "
+                       "import the modules it names (refused otherwise)"),
         p.add_argument("overrides", nargs="*", help="key=value changes to the run's config for the export, e.g. "
                        "actor.fsdp.lora_export=adapter actor.fsdp.export_max_shard_size=2GB"))),
     "plot": (cmd_plot, "PNG curves of a run", lambda p: (
         p.add_argument("run_dir"), p.add_argument("--out", help="PNG path (default RUN_DIR/curves.png)"))),
+    "view": (cmd_view, "write a run's HTML report (curves, samples, images, config)", lambda p: (
+        p.add_argument("run_dir"), p.add_argument("--out", help="HTML path (default RUN_DIR/report.html)"),
+        p.add_argument("--open", action="store_true", help="open it in the default browser"))),
+    "profile": (cmd_profile, "where a run's step time went (per phase and process)", lambda p: (
+        p.add_argument("run_dir"), p.add_argument("--step", type=int, help="one profiled step (default: every one)"),
+        p.add_argument("--top", type=int, default=10, help="operators shown per process (default 10)"))),
+    "serve": (cmd_serve, "an OpenAI-compatible server over a model, checkpoint or run", _serve_args),
     "new-plugin": (cmd_new_plugin, "create a plugin package from a template", lambda p: (
         p.add_argument("name", help="the plugin's name, e.g. my-reward (the distribution becomes polyrl-my-reward)"),
         p.add_argument("--kind", "-k", required=True, choices=["engine", "rollout", "reward", "estimator", "platform",

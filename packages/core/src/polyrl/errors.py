@@ -29,3 +29,10 @@ class DataError(PolyrlError, ValueError):
 
 class CheckpointError(PolyrlError, ValueError):
     """A checkpoint that is missing, partial, or from another model or world size."""
+
+
+class CheckpointDiskFullError(CheckpointError):
+    """The file system filled up while a checkpoint was written; the previous checkpoint is left whole."""
+
+    #: What the operating system said, and the file (``"No space left on device, /ckpt/__0_0.distcp"``).
+    reason: str = ""

@@ -163,6 +163,10 @@ class Rollout(GenerationClient, Protocol):
     """
 
     capabilities: RolloutCapabilities
+    #: The longest prompt + response this rollout takes, in tokens (``None``: no limit, or not a token model).
+    #: ``generate`` refuses longer requests; the trainer's batching client merges concurrent agent-loop
+    #: requests only while every merged one still fits.
+    max_model_len: int | None
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Sample every request, as a batch.
@@ -471,20 +475,26 @@ class AdvantageEstimator(Protocol):
 
 
 class PolicyLoss(Protocol):
-    """verl's policy loss signature, and what the trainer passes to it.
+    """verl's policy loss signature, plus the two keywords polyrl's trainer passes.
 
     The trainer calls ``fn(old_log_prob, log_prob, advantages, response_mask,
-    loss_agg_mode, config, **optional)`` for each micro-batch. ``config`` carries
-    verl's actor fields (``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``,
-    ``clip_ratio_c``, ``policy_loss.*``) and is read by attribute, by ``.get(key,
-    default)``, or as a mapping; it also holds verl's ``global_batch_info``
-    (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``).
-    ``optional`` holds only the keywords the function's signature accepts (all of
-    them for ``**kwargs``), so verl's own losses run unchanged:
+    loss_agg_mode, config, rollout_log_probs=..., loss_scale=..., rollout_is_weights=...)``
+    for each micro-batch. ``config`` carries verl's actor fields (``clip_ratio``,
+    ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``, ``policy_loss.*``) and is read
+    by attribute, by ``.get(key, default)``, or as a mapping; it also holds verl's
+    ``global_batch_info`` (``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
+    ``loss_scale_factor``). The keywords, each ``None`` when it does not apply:
 
-    - ``loss_scale`` (:class:`LossScale`): normalise by the mini-batch's global counts (see ``agg_loss``);
-    - ``rollout_is_weights``: rollout-correction importance weights ``[B, R]`` (multiply the per-token loss);
-    - ``rollout_log_probs``: the rollout's log-probs, for the legacy ``tis_imp_ratio_cap``.
+    - ``rollout_log_probs``: the rollout's log-probs ``[B, R]``, for the legacy ``tis_imp_ratio_cap``;
+    - ``loss_scale`` (:class:`LossScale`): normalise by the mini-batch's global counts (see ``agg_loss``),
+      so micro-batches and data-parallel ranks add up to the whole mini-batch's loss;
+    - ``rollout_is_weights``: rollout-correction importance weights ``[B, R]`` (multiply the per-token
+      loss; detached).
+
+    A loss written for verl declares only some of them (verl 0.5: ``rollout_log_probs``; verl main:
+    ``rollout_is_weights``): :func:`polyrl.algorithms.get_policy_loss_fn` adapts it once, at look-up, to
+    this signature, passing it only what it declares (it then reads the global counts from
+    ``config.global_batch_info``).
 
     Returns ``(loss, metrics)`` with a scalar loss and float metrics (``pg_clipfrac``,
     ``ppo_kl``...; bare names get an ``actor/`` prefix, names with a ``/`` are kept).
@@ -499,6 +509,9 @@ class PolicyLoss(Protocol):
         loss_agg_mode: str = "token-mean",
         config: Any = None,
         rollout_log_probs: torch.Tensor | None = None,
+        *,
+        loss_scale: LossScale | None = None,
+        rollout_is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, Any]]: ...
 
 
@@ -518,12 +531,17 @@ class Platform(Protocol):
     device_type: str  # torch device type: "cpu", "cuda", "npu"
     dist_backend: str  # torch.distributed backend for training: "gloo", "nccl", "hccl"
     weight_sync_backend: str  # collective backend between actor and rollout processes (same values)
-    weight_ipc: str  # colocated weight transfer across processes: "cuda_ipc", "shared_memory" or "none"
     visible_devices_env: str | None  # e.g. "CUDA_VISIBLE_DEVICES"; None for CPU
     ray_resource: str | None  # Ray resource per worker: "GPU", "NPU"; None for CPU
 
     def is_available(self) -> bool:
-        """Whether this machine has the device and its torch extension imports."""
+        """Whether this machine has the device and its torch extension imports. Never raises: a platform
+        that cannot tell answers False (and says why in :meth:`unavailable_reason`)."""
+        ...
+
+    def unavailable_reason(self) -> str:
+        """Why :meth:`is_available` is False, in one line with what to do (``""`` when available): shown in
+        the error of a run that names this platform and in ``platform.json``'s probes."""
         ...
 
     def device_count(self) -> int:
@@ -557,7 +575,9 @@ class Platform(Protocol):
         ...
 
     def memory_stats(self) -> dict[str, float]:
-        """Allocated / reserved / peak memory in GiB (``{}`` where unknown)."""
+        """This process's memory in GiB (``{}`` where unknown): ``allocated_gib``, ``reserved_gib``,
+        ``max_allocated_gib`` on an accelerator, ``max_rss_gib`` (peak resident host memory) on the CPU. The
+        trainer logs them per worker group each step (``perf/<group>/...``, the largest over the ranks)."""
         ...
 
     def worker_env(self) -> dict[str, str]:

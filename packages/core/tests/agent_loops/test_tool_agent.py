@@ -426,3 +426,155 @@ def test_a_rollout_worker_gives_tool_agent_data_max_prompt_length(tiny_model_dir
         assert "single_turn" in worker.agent_loops  # built with the protocol's three arguments
     finally:
         worker.close()
+
+
+# ---------------------------------------------------------------------- nothing a model writes ends a run
+
+def env_text(tok, out):
+    return tok.decode([t for t, m in zip(out.response_ids, out.response_mask) if not m])
+
+
+def test_deeply_nested_brackets_are_a_malformed_call(tiny_tokenizer, tools):
+    tok = tiny_tokenizer
+    nested = "<tool_call>" + "[" * 5000 + "</tool_call>"
+    out = run(make_loop(tok, tools), make_sample(tok), ScriptedClient(tok, [nested, "1"]), max_new_tokens=8192)
+    assert out.metrics["parse_errors"] == 1 and out.metrics["tool_errors"] == 1 and out.finish_reason == "stop"
+    assert "nested too deeply" in env_text(tok, out)
+
+
+def test_a_parser_that_raises_gives_a_malformed_turn(tiny_tokenizer, tools):
+    class Fragile:
+        def parse(self, text):
+            if "((((" in text:
+                raise RecursionError("maximum recursion depth exceeded")
+            return HermesParser().parse(text)
+
+    tok = tiny_tokenizer
+    out = run(make_loop(tok, tools, parser=Fragile()), make_sample(tok), ScriptedClient(tok, ["((((", "1"]))
+    assert out.metrics["parse_errors"] == 1 and out.num_turns == 2 and out.finish_reason == "stop"
+    assert "could not be parsed: RecursionError" in env_text(tok, out)
+
+
+def test_malformed_and_valid_calls_are_answered_in_call_order(tiny_tokenizer, tools):
+    tok = tiny_tokenizer
+    turn = tool_call_text("1+1") + "<tool_call>{broken</tool_call>" + tool_call_text("2*3")
+    out = run(make_loop(tok, tools), make_sample(tok), ScriptedClient(tok, [turn, "ok"]), max_new_tokens=1024)
+    env = env_text(tok, out)
+    first, error, third = env.index("2\n"), env.index("Error: tool call is not valid JSON"), env.index("6\n")
+    assert first < error < third and out.metrics["tool_calls"] == 3 and out.metrics["tool_errors"] == 1
+
+
+@pytest.mark.parametrize("reward, shown", [(float("nan"), "nan"), ("0.5", "'0.5'"), (float("inf"), "inf")])
+def test_a_tool_reward_that_is_not_a_finite_number_names_the_tool(tiny_tokenizer, reward, shown):
+    from polyrl.tools import ToolError
+
+    @tool
+    def grader(x: int) -> ToolResult:
+        """Grade.
+
+        Args:
+            x: anything.
+        """
+        return ToolResult("graded", reward=reward)
+
+    tok = tiny_tokenizer
+    call = '<tool_call>{"name": "grader", "arguments": {"x": 1}}</tool_call>'
+    with pytest.raises(ToolError, match=rf"tool 'grader' returned ToolResult\(reward={shown}\)") as err:
+        run(make_loop(tok, {"grader": grader}), make_sample(tok), ScriptedClient(tok, [call, "a"]))
+    assert "reward function" not in str(err.value) and "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------------- hung synchronous tools
+
+def test_hung_sync_tools_do_not_starve_later_calls(tiny_tokenizer, caplog):
+    """More hung calls than the pool has workers: later calls still run at once; the hung threads are counted
+    and a warning names the tool."""
+    from polyrl.tools.function import TOOL_EXECUTOR
+
+    release = threading.Event()
+
+    @tool
+    def stuck(x: int) -> str:
+        """Hangs until released.
+
+        Args:
+            x: anything.
+        """
+        release.wait()
+        return "late"
+
+    @tool
+    def quick(x: int) -> str:
+        """Answers at once.
+
+        Args:
+            x: anything.
+        """
+        return f"quick {x}"
+
+    tok = tiny_tokenizer
+    n = TOOL_EXECUTOR.max_workers + 8
+    hung_calls = "".join(f'<tool_call>{{"name": "stuck", "arguments": {{"x": {i}}}}}</tool_call>' for i in range(n))
+    quick_call = '<tool_call>{"name": "quick", "arguments": {"x": 7}}</tool_call>'
+    loop = make_loop(tok, {"stuck": stuck, "quick": quick}, tool_timeout_s=0.5, max_parallel_calls=n, max_turns=3)
+    before = TOOL_EXECUTOR.hung
+    try:
+        start = time.perf_counter()
+        out = run(loop, make_sample(tok), ScriptedClient(tok, [hung_calls, quick_call, "done"]), max_new_tokens=8192)
+        took = time.perf_counter() - start
+        env = env_text(tok, out)
+        assert "quick 7" in env, "a call after the hung ones did not run: the pool is exhausted"
+        assert env.count("'stuck' timed out after 0.5s") == n and out.metrics["tool_timeouts"] == n
+        # every worker is stuck (the calls still queued when they timed out were cancelled, not started)
+        assert out.metrics["tools_hung"] >= before + TOOL_EXECUTOR.max_workers and took < 10
+        assert "tool 'stuck' did not return" in caplog.text
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while TOOL_EXECUTOR.hung > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert TOOL_EXECUTOR.hung == before  # released threads are no longer counted
+
+
+def test_a_process_with_a_hung_sync_tool_exits_after_its_last_step(tmp_path):
+    """Run an agent loop in-process (as the local executor does) with a sync tool that never returns: the
+    process must still exit (the e2e version, through ``polyrl train``, is in integration_tests)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "hang.py"
+    script.write_text(textwrap.dedent('''
+        import asyncio
+        import threading
+        from polyrl.agent_loops.tool_agent import ToolAgentLoop
+        from polyrl.config.schema import AgentConfig
+        from polyrl.models.tiny import build_char_tokenizer
+        from polyrl.protocols import GenerationResult, SamplingParams
+        from polyrl.tools import tool
+        from polyrl.tools.parsers import HermesParser
+
+        @tool
+        def forever(x: int) -> str:
+            """Never returns.
+
+            Args:
+                x: anything.
+            """
+            threading.Event().wait()
+
+        tok = build_char_tokenizer()
+
+        class Client:
+            async def agenerate(self, req):
+                text = '<tool_call>{"name": "forever", "arguments": {"x": 1}}</tool_call>'
+                ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+                return [GenerationResult(req.prompt_ids, ids, [0.0] * len(ids))]
+
+        loop = ToolAgentLoop(tokenizer=tok, config=AgentConfig(tool_timeout_s=0.2, max_turns=2),
+                             tools={"forever": forever}, parser=HermesParser())
+        out = asyncio.run(loop.run({"prompt_ids": [2, 70], "uid": "a"}, SamplingParams(max_new_tokens=512), Client()))
+        print("hung", out.metrics["tools_hung"], flush=True)
+    '''))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "hung 1.0"

@@ -134,6 +134,7 @@ class TestDPPOKL(TestDPPOTV):
 class TestBypassMode(PolicyLossConformance):
     config = {"clip_ratio": 0.2, "policy_loss": {"rollout_correction": {"rollout_is": "token",
                                                                         "rollout_is_threshold": 2.0}}}
+    is_weights_scale_the_loss = False  # computes its own weights from the current log-probs (verl's bypass)
 
     @pytest.fixture
     def policy_loss(self):

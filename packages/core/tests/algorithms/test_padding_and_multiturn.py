@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from polyrl.algorithms import agg_loss, get_adv_estimator_fn, get_policy_loss_fn, masked_mean, masked_whiten
-from polyrl.algorithms.core import masked_sum, masked_var
+from polyrl.algorithms.torch_functional import masked_sum, masked_var
 
 CFG = {"clip_ratio": 0.2, "clip_ratio_c": 3.0, "policy_loss": {"dro_beta": 0.5}}
 

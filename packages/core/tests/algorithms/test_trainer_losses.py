@@ -156,3 +156,34 @@ def test_kl_loss_ignores_nan_in_padding():
     dirty = _run(cfg, mbs, logps)
     assert dirty[0] == pytest.approx(clean[0], abs=1e-7) and torch.isfinite(dirty[1]).all()
     assert torch.equal(dirty[1], clean[1])
+
+
+def test_a_loss_is_adapted_once_at_look_up_to_the_protocols_keywords(polyrl_plugins):
+    """A verl 0.5 loss (``rollout_log_probs`` only) is wrapped once: the wrapper takes every keyword the trainer
+    passes and hands the loss only what it declares; a loss that declares them all comes back as it is."""
+    import inspect
+
+    from polyrl.algorithms import POLICY_LOSS_KEYWORDS, as_policy_loss
+    from polyrl.algorithms.policy_losses import compute_policy_loss_vanilla
+
+    seen: list[dict] = []
+
+    def verl05(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+               rollout_log_probs=None):
+        seen.append({"rollout_log_probs": rollout_log_probs})
+        return (log_prob - old_log_prob).sum(), {}
+
+    class Plugin:
+        @hookimpl
+        def register_policy_losses(self, register):
+            register("verl05", verl05)
+
+    polyrl_plugins.register(Plugin(), "verl05")
+    adapted = get_policy_loss_fn("verl05")
+    assert adapted is get_policy_loss_fn("verl05") is as_policy_loss(verl05)  # adapted once, then reused
+    assert adapted is not verl05 and set(POLICY_LOSS_KEYWORDS) <= set(inspect.signature(adapted).parameters)
+    x = torch.zeros(1, 2)
+    adapted(x, x, x, x, "token-mean", {}, rollout_log_probs=None, loss_scale=LossScale(), rollout_is_weights=x)
+    adapted(x, x, x, x, "token-mean", {}, rollout_log_probs=x + 1, loss_scale=None, rollout_is_weights=None)
+    assert seen[0]["rollout_log_probs"] is None and torch.equal(seen[1]["rollout_log_probs"], x + 1)
+    assert get_policy_loss_fn("vanilla") is compute_policy_loss_vanilla  # declares them all: no wrapper

@@ -95,6 +95,25 @@ def test_resolved_yaml_round_trips(tmp_path, pm):
     assert again.rollout.n == 3
 
 
+def test_values_read_from_the_environment_are_recorded_as_their_interpolation(tmp_path, pm, monkeypatch):
+    from polyrl.config.loader import record_dict
+
+    monkeypatch.setenv("POLYRL_TEST_TOKEN", "s3cret-token")
+    monkeypatch.setenv("POLYRL_TEST_BUCKET", "96")
+    f = write(tmp_path, "model: {path: /m}\nactor: {engine: fake, fake: {bucket_mb: '${oc.env:POLYRL_TEST_BUCKET}'}}\n"
+                        "trainer: {project_name: '${oc.env:POLYRL_TEST_TOKEN}'}\n")
+    cfg = load_config(PolyrlConfig, [f], plugins=pm)
+    assert cfg.trainer.project_name == "s3cret-token" and cfg.actor.plugin_config.bucket_mb == 96  # used resolved
+    text = to_yaml(cfg)
+    assert "s3cret-token" not in text and "${oc.env:POLYRL_TEST_TOKEN}" in text
+    assert "${oc.env:POLYRL_TEST_BUCKET}" in text  # inside a plugin block too
+    record = record_dict(cfg)
+    assert record["trainer"]["project_name"] == "${oc.env:POLYRL_TEST_TOKEN}"
+    monkeypatch.setenv("POLYRL_TEST_TOKEN", "rotated")
+    again = load_config(PolyrlConfig, [write(tmp_path, text)], plugins=pm)  # a resumed run resolves it again
+    assert again.trainer.project_name == "rotated" and again.actor.plugin_config.bucket_mb == 96
+
+
 def test_missing_file_and_bad_yaml(tmp_path, pm):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(PolyrlConfig, [tmp_path / "nope.yaml"], plugins=pm)
@@ -115,6 +134,13 @@ def test_configuration_reference_is_current():
     ("rollout.n=0", "rollout.n"),
     ("trainer.total_steps=-1", "trainer.total_steps"),
     ("reward.timeout_s=-1", "reward.timeout_s"),
+    ("trainer.async_chunk_groups=-1", "trainer.async_chunk_groups"),
+    ("trainer.async_queue_groups=-2", "trainer.async_queue_groups"),
+    ("trainer.async_max_staleness=-1", "trainer.async_max_staleness"),
+    ("trainer.async_tis_cap=-0.5", "trainer.async_tis_cap"),
+    ("trainer.async_tis_cap=nan", "trainer.async_tis_cap"),
+    ("trainer.weight_bucket_mb=0", "trainer.weight_bucket_mb"),
+    ("rollout.tensor_parallel_size=0", "rollout.tensor_parallel_size"),
 ])
 def test_out_of_range_values_name_the_key_and_source(override, key):
     with pytest.raises(ConfigError) as err:

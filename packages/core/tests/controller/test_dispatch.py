@@ -3,9 +3,6 @@ shard, computes it once and returns it once. Real Ray actors; the layout is what
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
 from tensordict import TensorDict
@@ -41,23 +38,6 @@ class _ShardedWorker:
 
     def close(self) -> None:
         pass
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    tmp = tempfile.mkdtemp(prefix="polyrl-dispatch-")
-    here = os.path.dirname(__file__)  # the workers import this module to build _ShardedWorker
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, old or "") if p)
-    ray.init(num_cpus=2, _temp_dir=tmp, include_dashboard=False, _node_ip_address="127.0.0.1")
-    yield ray
-    ray.shutdown()
-    if old is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = old
 
 
 def test_a_two_rank_group_computes_each_shard_once(ray_local):

@@ -82,3 +82,51 @@ def test_corrupt_parquet_names_the_file(tmp_path):
     bad.write_bytes(b"PAR1 this is not parquet")
     with pytest.raises(DataError, match=r"data file .*broken.parquet cannot be read"):
         load_rows(bad)
+
+
+class _Recording:
+    """The real tokenizer, noting the longest prompt content it was asked to tokenize."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self.longest = 0
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def apply_chat_template(self, messages, **kw):
+        self.longest = max(self.longest, sum(len(m["content"]) for m in messages))
+        return self._tok.apply_chat_template(messages, **kw)
+
+
+def test_a_huge_prompt_is_never_tokenized_whole(tmp_path, tiny_tokenizer):
+    from polyrl.data.dataset import char_clip
+
+    rows = make_arithmetic_rows(3, seed=0)
+    rows[1]["prompt"][0]["content"] = "1 + 2 = ? " * 200_000  # a 2 MB line
+    f = write_jsonl(rows, tmp_path / "d.jsonl")
+    clip = char_clip(tiny_tokenizer, 32)
+    for truncation in ("filter", "left", "right"):
+        tok = _Recording(tiny_tokenizer)
+        ds = RLDataset([f], tok, max_prompt_length=32, truncation=truncation)
+        assert tok.longest <= clip < 100_000, (truncation, tok.longest)
+        if truncation == "filter":
+            assert len(ds) == 2 and ds.stats["filtered"] == 1
+        else:
+            assert len(ds) == 3 and ds.stats["truncated"] == 1 and len(ds[1]["prompt_ids"]) == 32
+    tok = _Recording(tiny_tokenizer)
+    with pytest.raises(DataError, match=r"d.jsonl row 1: prompt is at least \d+ tokens .*over data.max_prompt_length=32"):
+        RLDataset([f], tok, max_prompt_length=32, truncation="error")
+    assert tok.longest <= clip
+
+
+def test_clipped_truncation_keeps_the_tokens_a_whole_tokenization_keeps(tmp_path, tiny_tokenizer):
+    from polyrl.data.dataset import _prompt_ids, char_clip
+
+    text = " ".join(f"{i} + {i % 7} = ?" for i in range(3000))  # over the clip, small enough to tokenize whole
+    assert len(text) > char_clip(tiny_tokenizer, 32)
+    rows = [{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]}]
+    f = write_jsonl(rows, tmp_path / "d.jsonl")
+    whole = _prompt_ids(rows[0]["prompt"], tiny_tokenizer, True)
+    assert RLDataset([f], tiny_tokenizer, max_prompt_length=32, truncation="left")[0]["prompt_ids"] == whole[-32:]
+    assert RLDataset([f], tiny_tokenizer, max_prompt_length=32, truncation="right")[0]["prompt_ids"] == whole[:32]

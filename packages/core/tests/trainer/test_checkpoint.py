@@ -134,3 +134,77 @@ def test_dcp_metadata_with_a_dotted_global_runs_nothing(tmp_path):
     with pytest.raises(CheckpointError, match="not allowed"):
         check_dcp_metadata(tmp_path)
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------------- damaged checkpoints, full disks
+
+
+def _engine_file(manager: CheckpointManager, step: int):
+    return manager.root / f"step_{step}" / "engine.bin"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupted", "missing"])
+def test_auto_resume_skips_a_damaged_checkpoint_with_one_warning(tmp_path, caplog, damage):
+    manager = CheckpointManager(tmp_path)
+    for step in (1, 2, 3):
+        _save(manager, step)
+    shard = _engine_file(manager, 3)
+    if damage == "truncated":
+        shard.write_text("")
+    elif damage == "corrupted":
+        shard.write_text("y")  # same size, other bytes
+    else:
+        shard.unlink()
+    with caplog.at_level("WARNING", logger="polyrl"):
+        assert resolve_resume("auto", manager).name == "step_2"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "step_3 is damaged" in warnings[0] and "engine.bin" in warnings[0], warnings
+    assert "resuming from" in warnings[0] and warnings[0].endswith("step_2, the newest intact checkpoint")
+
+
+def test_explicitly_named_damaged_checkpoint_is_refused_in_one_line(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    _save(manager, 1)
+    _engine_file(manager, 1).write_text("y")
+    with pytest.raises(CheckpointError) as info:
+        resolve_resume(str(manager.root / "step_1"), manager)
+    message = str(info.value)
+    assert "\n" not in message and "engine.bin is corrupted" in message and "trainer.resume=auto" in message
+
+
+def test_no_intact_checkpoint_left_refuses_instead_of_starting_over(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    _save(manager, 1)
+    _engine_file(manager, 1).write_text("")
+    with pytest.raises(CheckpointError, match="no intact checkpoint.*step_1 is damaged.*trainer.resume=disable"):
+        resolve_resume("auto", manager)
+
+
+def test_a_checkpoint_without_manifest_still_resumes(tmp_path):
+    # saved by an earlier polyrl: nothing to verify against, resumed as before
+    manager = CheckpointManager(tmp_path)
+    _save(manager, 1)
+    (manager.root / "step_1" / "checkpoint_files.json").unlink()
+    assert resolve_resume("auto", manager).name == "step_1"
+
+
+def test_disk_full_during_save_is_one_error_and_keeps_the_previous_checkpoint(tmp_path):
+    import errno
+    from pathlib import Path
+
+    from polyrl.errors import CheckpointDiskFullError
+
+    manager = CheckpointManager(tmp_path)
+    _save(manager, 1)
+
+    def engines_fill_the_disk(path: str) -> None:
+        (Path(path) / "engine.bin").write_text("half")
+        raise OSError(errno.ENOSPC, "No space left on device", str(Path(path) / "engine.bin"))
+
+    with pytest.raises(CheckpointDiskFullError) as info:
+        manager.save(2, engines_fill_the_disk, {"global_step": 2})
+    message = str(info.value)
+    assert "\n" not in message and "disk full while saving checkpoint" in message and "step_2" in message
+    assert "previous checkpoint (step_1) is whole" in message
+    assert [p.name for p in manager.root.iterdir() if p.name.startswith(".")] == []  # the partial save is gone
+    assert (manager.root / "latest").read_text() == "step_1" and resolve_resume("auto", manager).name == "step_1"

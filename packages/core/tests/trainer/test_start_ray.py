@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from polyrl.trainer.workers import start_ray
+from polyrl.trainer.role_groups import start_ray
 
 
 @pytest.fixture

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from polyrl.algorithms.advantages import clean_padding, group_ids
-from polyrl.algorithms.core import agg_loss, cfg_get, check_finite, check_nonempty_mask, check_same_shape
+from polyrl.algorithms.aggregation import agg_loss
+from polyrl.algorithms.checks import cfg_get, check_finite, check_nonempty_mask, check_same_shape
 from polyrl.algorithms.policy_losses import clip_range, policy_option, truncated_is_weights
 from polyrl.algorithms.torch_functional import masked_mean, masked_select_zero
 from polyrl.protocols import LossScale
@@ -71,21 +72,24 @@ def sample_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor
 def compute_flow_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                                         index: Any = None, config: Any = None, epsilon: float = FLOW_GRPO_EPS,
                                         norm_adv_by_std_in_grpo: bool | None = None, global_std: bool | None = None,
-                                        adv_clip_max: float | None = None,
+                                        adv_clip_max: float | None = None, std_unbiased: bool | None = None,
                                         **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Flow-GRPO advantages ``clip((r - mean_g) / (std + epsilon), -adv_clip_max, adv_clip_max)``.
 
     ``r`` is each image's reward (:func:`sample_scores`), ``g`` its prompt group (``index``).
-    ``std`` is the group's unbiased std over its samples, or with ``global_std`` the unbiased
-    std of all rewards of the batch (one value per sample; see the module docstring for why
-    never over the ``[B, T]`` expansion). ``norm_adv_by_std_in_grpo=False`` skips the division
-    (Dr.GRPO). A group of one sample gets advantage 0: it has no baseline to compare with.
-    ``adv_clip_max`` <= 0 turns clipping off. Options come as keywords or from ``config``
-    (``algorithm``; also ``algorithm.extra``). Every trained step of an image gets its advantage.
+    ``std`` is, as Flow-GRPO's ``PerPromptStatTracker`` with its ``global_std: True`` (its default and every
+    recipe's), the std of all rewards of the batch (one value per sample; see the module docstring for why
+    never over the ``[B, T]`` expansion); ``global_std=False``: the group's std over its samples. It is the
+    population std (numpy's, the reference's); ``std_unbiased=True``: the unbiased one (torch's, DanceGRPO's and
+    MixGRPO's, which the flow_grpo trainer selects for those variants with their ``epsilon`` 1e-8).
+    ``norm_adv_by_std_in_grpo=False`` skips the division (Dr.GRPO). A group of one sample gets advantage 0: it
+    has no baseline to compare with. ``adv_clip_max`` <= 0 turns clipping off. Options come as keywords or from
+    ``config`` (``algorithm``; also ``algorithm.extra``). Every trained step of an image gets its advantage.
     """
     scores = sample_scores(token_level_rewards, response_mask).double()
     norm = bool(_option(config, "norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo, True))
-    use_global = bool(_option(config, "global_std", global_std, False))
+    use_global = bool(_option(config, "global_std", global_std, True))
+    unbiased = bool(_option(config, "std_unbiased", std_unbiased, False))
     clip = float(_option(config, "adv_clip_max", adv_clip_max, ADV_CLIP_MAX))
     gid = group_ids(index, scores.shape[0], scores.device)
     n_groups = int(gid.max()) + 1
@@ -94,11 +98,11 @@ def compute_flow_grpo_outcome_advantage(token_level_rewards: torch.Tensor, respo
     centred = scores - mean[gid]
     if norm:
         if use_global:
-            std = scores.std() if scores.numel() > 1 else torch.ones((), dtype=torch.float64)
+            std = scores.std(unbiased=unbiased) if scores.numel() > 1 else torch.ones((), dtype=torch.float64)
             std = std.expand_as(scores)
         else:
             sq = torch.zeros_like(mean).index_add_(0, gid, centred**2)
-            std = torch.sqrt(sq / (counts - 1).clamp(min=1))[gid]
+            std = torch.sqrt(sq / ((counts - 1).clamp(min=1) if unbiased else counts))[gid]
         centred = centred / (std + epsilon)
     adv = torch.where(counts[gid] > 1, centred, torch.zeros_like(centred))
     if clip > 0:
@@ -164,7 +168,7 @@ def compute_policy_loss_flow_grpo(old_log_prob: torch.Tensor, log_prob: torch.Te
         raise ValueError(f"log_prob must be [batch, trained_steps], got {tuple(log_prob.shape)}")
     info = cfg_get(config, "global_batch_info", None)
     if loss_scale is None and info:
-        from polyrl.algorithms.core import resolve_loss_scale
+        from polyrl.algorithms.aggregation import resolve_loss_scale
 
         loss_scale = resolve_loss_scale(None, cfg_get(info, "dp_size", None), cfg_get(info, "batch_num_tokens", None),
                                         cfg_get(info, "global_batch_size", None))
@@ -226,7 +230,7 @@ def compute_diffusion_nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, v_tar
                                reward_prob: torch.Tensor, *, beta: float = 1.0, adaptive_weight: bool = False,
                                t: torch.Tensor | None = None, v_ref: torch.Tensor | None = None,
                                kl_coef: float = 0.0, sample_weight: torch.Tensor | None = None,
-                               ) -> tuple[torch.Tensor, dict[str, float]]:
+                               policy_scale: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
     """DiffusionNFT: ``mean_i [ r_i ||v+_i - v_i||^2 + (1 - r_i) ||v-_i - v_i||^2 ] / beta``.
 
     ``v+ = (1 - beta) v_old + beta v_theta`` and ``v- = (1 + beta) v_old - beta v_theta`` are the
@@ -239,7 +243,9 @@ def compute_diffusion_nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, v_tar
 
     ``adaptive_weight``: the authors' per-sample normalisation, each branch's squared error divided
     by its detached mean absolute error in x0 space (``x0_hat - x0 = t (v - v_hat)``; needs ``t``
-    ``[B]``). ``v_ref`` with ``kl_coef``: adds ``kl_coef * ||v_theta - v_ref||^2``.
+    ``[B]``). ``v_ref`` with ``kl_coef``: adds ``kl_coef * ||v_theta - v_ref||^2``. ``policy_scale`` multiplies
+    the policy term (not the KL): the authors multiply it by their ``adv_clip_max`` (5), which makes the gradient
+    at ``v_theta = v_old`` proportional to the clipped advantage ``A`` itself.
     ``sample_weight`` ``[B]`` (0/1) leaves padding samples out.
     """
     check_same_shape(v_theta=v_theta, v_old=v_old, v_target=v_target)
@@ -269,7 +275,7 @@ def compute_diffusion_nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, v_tar
     weight = torch.ones(b, dtype=v_theta.dtype, device=v_theta.device) if sample_weight is None \
         else sample_weight.reshape(-1).to(v_theta.dtype)
     denom = weight.sum().clamp(min=1)
-    loss = (per_sample * weight).sum() / denom
+    loss = policy_scale * (per_sample * weight).sum() / denom
     metrics = {"nft/policy_loss": float(loss.detach()), "nft/r_mean": float((r * weight).sum() / denom),
                "nft/old_deviation": float((((v_theta.detach() - v_old) ** 2).flatten(1).mean(-1) * weight).sum() / denom)}
     if v_ref is not None and kl_coef:

@@ -1,9 +1,10 @@
 """Engine ``diffusers`` (model type ``diffusion``): FSDP2 over a diffusers transformer.
 
-A subclass of polyrl-engine-fsdp's :class:`~polyrl_engine_fsdp.engine.FSDPEngine`: sharding (FSDP2,
-HSDP, or DDP-like all-reduce), mixed precision, CPU offload, LoRA through peft, the optimizer and LR
-schedule, gradient clipping, micro-batching with rank padding, sharded atomic checkpoints and weight
-buckets for the rollout all come from there. What differs is the forward pass: for each row and trained
+A subclass of polyrl-engine-fsdp's :class:`~polyrl_engine_fsdp.engine.FSDPEngine`, through its public
+extension points only (``load_model``, ``apply_lora``, ``wrap_model``, ``forward_micro_batch``): sharding
+(FSDP2, HSDP, or DDP-like all-reduce), mixed precision, CPU offload, the optimizer and LR schedule, gradient
+clipping, micro-batching with rank padding, sharded atomic checkpoints and weight buckets for the rollout
+all come from there. What differs is the model and its forward pass: for each row and trained
 step it predicts the velocity at ``(latents, sigmas)`` (CFG-combined when the row was sampled with
 guidance) and, when the batch has ``next_latents``, recomputes the Flow-GRPO step's Gaussian mean and
 the log-prob of the sampled transition with :mod:`polyrl_diffusion.sampler` — the same code the rollout
@@ -28,8 +29,9 @@ from torch import nn
 from polyrl.batch import require_fields
 from polyrl.errors import ConfigError
 from polyrl_diffusion.models import TextEmbeddings, load_transformer, pipeline_family, transformer_velocity
-from polyrl_diffusion.sampler import gaussian_log_prob, guided, sde_step_mean
-from polyrl_engine_fsdp.engine import FSDPEngine, _choice, _dtype, _full
+from polyrl_diffusion.sampler import guided, sde_step_mean, step_log_prob
+from polyrl_diffusion.weight_copies import WeightCopy
+from polyrl_engine_fsdp.engine import FSDPEngine, full_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +93,15 @@ class DiffusionRoot(nn.Module):
         out = {"velocity": v.reshape(b, t, *v.shape[1:])}
         if "next_latents" in inputs:
             nxt = inputs["next_latents"].reshape(b * t, *lat.shape[2:]).float()
+            kind = 0  # the rollout's SDE (sampler.SDE_TYPES): Flow-GRPO's, cps or DanceGRPO's
+            if "sde_type" in inputs:
+                kinds = inputs["sde_type"]
+                kind = int(kinds[0])
+                if not bool((kinds == kind).all()):
+                    raise ValueError("a micro-batch mixes SDE types; sample every row of a run with one sde_type")
             mean, std_dev_t, std = sde_step_mean(x.float(), v, sigma, inputs["next_sigmas"].reshape(-1),
-                                                 inputs["noise_levels"].reshape(-1))
-            logp = gaussian_log_prob(nxt, mean, std)
+                                                 inputs["noise_levels"].reshape(-1), kind)
+            logp = step_log_prob(nxt, mean, std, kind)
             safe = torch.where(std > 0, std, torch.ones_like(std))
             entropy = torch.where(std > 0, 0.5 * torch.log(2 * math.pi * math.e * safe**2), torch.zeros_like(std))
             out.update(log_probs=logp.reshape(b, t), entropy=entropy.reshape(b, t).detach(),
@@ -114,6 +122,7 @@ class DiffusersEngine(FSDPEngine):
     """
 
     required_fields = NEEDED
+    config_section = "diffusers"
 
     def __init__(self, config: Any, *, role: str, model_type: str = "diffusion", platform: Any = None) -> None:
         if model_type != "diffusion":
@@ -122,27 +131,27 @@ class DiffusersEngine(FSDPEngine):
         if config.use_dynamic_bsz:
             raise ConfigError(f"{role}.use_dynamic_bsz=true: the diffusers engine has fixed-size images; "
                               f"use {role}.micro_batch_size")
+        #: EMA / old-policy copies of the trained weights (:meth:`add_weight_copy`), and the one
+        #: :meth:`weights_for_rollout` serves (``None``: the trained weights themselves)
+        self.weight_copies: dict[str, WeightCopy] = {}
+        self.rollout_weights: str | None = None
         super().__init__(config, role=role, model_type=model_type, platform=platform)
 
-    # ------------------------------------------------------------------ construction
-    def _build_model(self) -> None:
+    # ------------------------------------------------------------------ construction (FSDPEngine's extension points)
+    def load_model(self, dtype: torch.dtype) -> nn.Module:
+        """The pipeline's transformer in ``dtype`` (gradient checkpointing on when asked); the pipeline family
+        (``sd3``, ``flux``...) picks the forward."""
         mcfg = self.config.model
         key = f"{self.role}.model.path"
         self.family, _ = pipeline_family(mcfg.path, key)
-        for k, value in (("param_dtype", self.fsdp.param_dtype), ("reduce_dtype", self.fsdp.reduce_dtype)):
-            _dtype(value, f"{self.role}.diffusers.{k}")
-        _choice(self.fsdp.lora_export, ("merged", "adapter"), f"{self.role}.diffusers.lora_export")
-        dtype = _dtype(mcfg.dtype, f"{self.role}.model.dtype")
-        torch.manual_seed(self.config.seed)
         model = load_transformer(mcfg.path, key, dtype)
         self.hf_config = dict(model.config)
         if mcfg.gradient_checkpointing:
             model.enable_gradient_checkpointing()
-        if self.lora:
-            model = self._apply_lora(model, mcfg.lora)
-        self._shard_root(DiffusionRoot(model, self.family), model, dtype)
+        return model
 
-    def _apply_lora(self, model: nn.Module, lora: Any) -> nn.Module:
+    def apply_lora(self, model: nn.Module, lora: Any) -> nn.Module:
+        """peft LoRA on the transformer; ``all-linear`` means the attention projections (Flow-GRPO's choice)."""
         from peft import LoraConfig, get_peft_model
 
         targets = list(lora.target_modules)
@@ -156,12 +165,15 @@ class DiffusersEngine(FSDPEngine):
             raise ConfigError(f"{self.role}.model.lora.target_modules={list(lora.target_modules)} matches no module "
                               f"of the transformer ({exc})") from None
 
-    def _split(self, batch: TensorDict, dynamic: bool) -> list[torch.Tensor | None]:
-        return super()._split(batch, False)
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """:class:`DiffusionRoot`: the transformer and the Flow-GRPO step around it."""
+        return DiffusionRoot(model, self.family)
 
     # ------------------------------------------------------------------ forward passes
-    def _forward(self, mb: TensorDict, temperature: float, compute_entropy: bool
-                 ) -> tuple[dict[str, torch.Tensor], TensorDict]:
+    def forward_micro_batch(self, mb: TensorDict, temperature: float, compute_entropy: bool
+                            ) -> tuple[dict[str, torch.Tensor], TensorDict]:
+        """Every tensor field of ``mb`` on the device into :class:`DiffusionRoot` (see :data:`OUTPUT_KEYS`);
+        ``mb`` itself is what the loss sees (no trimming: images have no padding columns)."""
         inputs = {k: mb[k].to(self.device) for k in mb.keys() if isinstance(mb.get(k), torch.Tensor)}
         return self.module(inputs), mb
 
@@ -175,11 +187,11 @@ class DiffusersEngine(FSDPEngine):
         parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         ctx = self.module.model.disable_adapter() if disable_adapter and self.lora else _null()
         with ctx:
-            for rows in self._split(batch, False):
+            for rows in self.split_micro_batches(batch, False):
                 if rows is None:
-                    self._forward(self._padding_micro_batch(batch), temperature, False)
+                    self.forward_micro_batch(self.padding_micro_batch(batch), temperature, False)
                     continue
-                out, _ = self._forward(batch[rows], temperature, compute_entropy)
+                out, _ = self.forward_micro_batch(batch[rows], temperature, compute_entropy)
                 for k, v in out.items():
                     parts.setdefault(k, []).append((rows, v.float().cpu()))
         result = {}
@@ -198,18 +210,26 @@ class DiffusersEngine(FSDPEngine):
         """A pipeline folder at ``path``: the source folder's other components (text encoders, tokenizer, VAE,
         scheduler, ``model_index.json``) copied, and ``transformer/`` with the trained weights (LoRA merged, or
         with ``diffusers.lora_export: adapter`` the source's transformer and the peft adapter folder
-        ``transformer_lora/``, for ``PeftModel.from_pretrained``). Collective."""
+        ``transformer_lora/``, for ``PeftModel.from_pretrained``). With an EMA (``trainer.flow_grpo.ema``) the
+        EMA's weights are written, as the references save theirs. Collective."""
+        if "ema" in self.weight_copies and not getattr(self, "_exporting_ema", False):
+            self._exporting_ema = True
+            try:
+                with self.weight_copy("ema"):
+                    return self.export_hf(path)
+            finally:
+                self._exporting_ema = False
         out = Path(path)
         adapter = self.lora and self.fsdp.lora_export == "adapter"
         if adapter:  # peft's own names (with the adapter name), which its save_pretrained expects
-            source = ((n[len("model."):], _full(p)) for n, p in self.module.named_parameters() if p.requires_grad)
+            source = ((n[len("model."):], full_tensor(p)) for n, p in self.module.named_parameters() if p.requires_grad)
         else:
-            source = self._full_params()
+            source = self.full_parameters()
         tensors = {}
         for name, tensor in source:  # every rank gathers, rank 0 keeps
-            if self._rank == 0:
+            if self.rank == 0:
                 tensors[name] = tensor.detach().cpu().contiguous()
-        if self._rank == 0:
+        if self.rank == 0:
             src = Path(self.config.model.path)
             out.mkdir(parents=True, exist_ok=True)
             for item in src.iterdir():
@@ -237,8 +257,80 @@ class DiffusersEngine(FSDPEngine):
             dist.barrier()
 
     def offload(self) -> None:
-        """As the fsdp engine (a no-op on CPU)."""
+        """As the fsdp engine (a no-op on CPU), the weight copies too."""
         super().offload()
+        if self.device.type != "cpu" and not self.fsdp.param_offload:
+            for copy in self.weight_copies.values():
+                copy.to("cpu")
+
+    def onload(self) -> None:
+        """As the fsdp engine, the weight copies too."""
+        super().onload()
+        if self.device.type != "cpu" and not self.fsdp.param_offload:
+            for copy in self.weight_copies.values():
+                copy.to(self.device)
+
+    # ------------------------------------------------------------------ weight copies (EMA, DiffusionNFT's old policy)
+    def trainable_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, parameter)`` of the trained parameters (the LoRA tensors of a LoRA actor), this rank's shards."""
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    def add_weight_copy(self, name: str, *, ema: tuple[float, int] | None = None) -> None:
+        """Keep a copy ``name`` of the trained weights as they are now; ``ema=(decay, update_interval)`` updates it
+        after every optimizer step (:meth:`WeightCopy.after_optimizer_step`). Saved with the checkpoints."""
+        self.weight_copies[name] = WeightCopy(self.trainable_parameters(), ema=ema)
+
+    def update_weight_copy(self, name: str, weight: float) -> None:
+        """``copy += weight * (w - copy)`` (DiffusionNFT's soft update with ``weight = 1 - decay``)."""
+        self.weight_copies[name].lerp_(self.trainable_parameters(), weight)
+
+    def weight_copy(self, name: str) -> Any:
+        """A context manager inside which the model holds the copy ``name`` (forward passes, export)."""
+        return self.weight_copies[name].swapped_in(self.trainable_parameters())
+
+    def train_batch(self, batch: TensorDict, loss_fn: Any, *, temperature: float = 1.0) -> dict[str, float]:
+        """The fsdp engine's optimizer step, then the EMA update (when an EMA copy is kept)."""
+        metrics = super().train_batch(batch, loss_fn, temperature=temperature)
+        if self.weight_copies:
+            params = self.trainable_parameters()
+            for copy in self.weight_copies.values():
+                copy.after_optimizer_step(params, self.step)
+        return metrics
+
+    def weights_for_rollout(self, bucket_bytes: int = 512 << 20) -> Any:
+        """The fsdp engine's buckets, of the copy :attr:`rollout_weights` names when set (DiffusionNFT samples with
+        its old policy; validation with the EMA). Collective."""
+        if self.rollout_weights is None:
+            yield from super().weights_for_rollout(bucket_bytes)
+            return
+        with self.weight_copy(self.rollout_weights):
+            for bucket in super().weights_for_rollout(bucket_bytes):
+                # copies: a gathered tensor may share the parameter's storage, which gets its own values back
+                yield [(n, t.clone()) for n, t in bucket]
+
+    def save_checkpoint(self, path: str) -> None:
+        """The fsdp engine's checkpoint, and this rank's part of each weight copy (``weight_copies_rank<r>.pt``
+        inside it; the trainer renames the whole step folder into place once every file is written)."""
+        super().save_checkpoint(path)
+        if self.weight_copies:
+            torch.save({name: copy.state_dict() for name, copy in self.weight_copies.items()},
+                       Path(path) / f"weight_copies_rank{self.rank}.pt")
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote. A checkpoint written without the copies leaves them as
+        copies of the restored weights, with a warning."""
+        super().load_checkpoint(path)
+        if not self.weight_copies:
+            return
+        file = Path(path) / f"weight_copies_rank{self.rank}.pt"
+        params = self.trainable_parameters()
+        state = torch.load(file, map_location="cpu", weights_only=True) if file.exists() else {}
+        for name, copy in self.weight_copies.items():
+            if name in state:
+                copy.load_state_dict(state[name])
+            else:
+                logger.warning("checkpoint %s holds no %r weight copy: it restarts from its weights", path, name)
+                copy.lerp_(params, 1.0)
 
 
 class _null:
@@ -248,7 +340,3 @@ class _null:
     def __exit__(self, *exc: Any) -> None:
         return None
 
-
-def full_tensor(param: torch.Tensor) -> torch.Tensor:
-    """A parameter's whole tensor (gathered from its FSDP shards; collective)."""
-    return _full(param)

@@ -44,6 +44,7 @@ __all__ = [
     "make_tiny_diffusers_pipeline",
     "make_tiny_pipeline",
     "pipeline_family",
+    "pixels_per_latent",
     "transformer_velocity",
 ]
 
@@ -114,6 +115,18 @@ def _dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
     except ImportError:
         return {"torch_dtype": dtype}
     return {"dtype": dtype}
+
+
+def pixels_per_latent(path: str | Path, key: str = "actor.model.path") -> int:
+    """Image pixels per latent pixel of the pipeline folder at ``path`` (1 for the tiny identity latent space; the
+    VAE's ``2 ** (len(block_out_channels) - 1)`` for a real folder), read from its config files."""
+    _, tiny = pipeline_family(path, key)
+    if tiny:
+        return 1
+    vae = Path(path) / "vae" / "config.json"
+    if not vae.is_file():
+        raise ConfigError(f"{key}={path}: no vae/config.json in the pipeline folder")
+    return 2 ** (len(json.loads(vae.read_text())["block_out_channels"]) - 1)
 
 
 # ---------------------------------------------------------------------------- the transformer call, per family
@@ -208,6 +221,15 @@ class FlowModel:
         self.transformer.requires_grad_(False)
 
     # ---------------------------------------------------------------- shapes
+    def move_to(self, device: Any) -> None:
+        """Move every module (transformer, text encoders, VAE) to ``device``, their parameters kept (the
+        rollout's sleep / wake); :attr:`device`, where inputs are made, stays the compute device."""
+        if self.pipeline is not None:
+            self.pipeline.to(device)
+        else:
+            self.transformer.to(device)
+            self.text_encoder.to(device)
+
     def latent_shape(self, height: int = 0, width: int = 0) -> tuple[int, int, int]:
         """``(C, H, W)`` of the latents for an image of ``height x width`` pixels (0: the model's default)."""
         cfg = self.transformer.config

@@ -79,7 +79,7 @@ def _tag(key: str, repeat: int) -> str:
 class DiffusersRollout:
     """Samples images from a flow-matching pipeline folder (see :mod:`polyrl_diffusion.models`)."""
 
-    capabilities = RolloutCapabilities(sleep=False, async_generate=False, log_probs=True, lora_adapter=False,
+    capabilities = RolloutCapabilities(sleep=True, async_generate=False, log_probs=True, lora_adapter=False,
                                        tensor_parallel=False, weight_formats=("hf",))
 
     def __init__(self, config: Any, *, model_path: str, tokenizer: Any = None, platform: Any = None) -> None:
@@ -90,6 +90,8 @@ class DiffusersRollout:
         device = platform.current_device() if platform is not None else torch.device("cpu")
         self.model: FlowModel = load_flow_model(model_path, key="actor.model.path", device=device)
         self.device = device
+        self.platform = platform
+        self._asleep = False
         self.max_model_len = None
         self._params = dict(self.model.transformer.named_parameters())
         self._text_cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
@@ -129,6 +131,12 @@ class DiffusersRollout:
         return TextEmbeddings(torch.stack([found[str(p)][0] for p in prompts]),
                               torch.stack([found[str(p)][1] for p in prompts]))
 
+    @property
+    def cached_prompts(self) -> int:
+        """How many prompts' text embeddings the LRU holds."""
+        with self._text_lock:
+            return len(self._text_cache)
+
     def clear_text_cache(self) -> None:
         """Forget the cached text embeddings (for a caller that changes the text encoder in place)."""
         with self._text_lock:
@@ -136,7 +144,10 @@ class DiffusersRollout:
 
     # ------------------------------------------------------------------ generation
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """``n`` images per request, grouped by request in input order (see the module docstring)."""
+        """``n`` images per request, grouped by request in input order (see the module docstring). A sleeping
+        rollout wakes up first."""
+        if self._asleep:
+            self.wake_up()
         rows: list[tuple[GenerationRequest, int]] = [(r, k) for r in requests for k in range(r.sampling_params.n)]
         idents = _identities(rows)
         chunk = max(1, self.options.max_batch_size)
@@ -169,18 +180,20 @@ class DiffusersRollout:
         row_rng = random.Random(group_seed(base, f"rows:{rank}:{first}"))
         if validate:
             trained: list[list[int]] = [[] for _ in rows]
-        else:
+        elif plan.random_subset:  # DanceGRPO: each image its own random subset of the SDE steps
             window = [i for i, s in enumerate(plan.sde) if s]
             count = len(plan.trained_indices)
-            # all of the window: what sorted(sample(window, count)) gives, without drawing (nothing else uses row_rng)
             trained = ([list(window) for _ in rows] if count == len(window)
                        else [sorted(row_rng.sample(window, count)) for _ in rows])
+        else:
+            trained = [plan.trained_indices for _ in rows]
         prompts = [str((r.multi_modal or {}).get("prompt", "")) for r, _ in rows]
         negatives = [str((r.multi_modal or {}).get("negative_prompt") or cfg.negative_prompt) for r, _ in rows]
         c, h, w = self.model.latent_shape(cfg.height, cfg.width)
         noise = []
+        shared = cfg.shares_initial_noise() and not validate  # one noise per prompt group (same_initial_noise)
         for gid, k in idents:
-            key = f"group:{gid}" if cfg.dance_grpo.enable and not validate else f"row:{rank}:{gid}:{k}"
+            key = f"group:{gid}" if shared else f"row:{rank}:{gid}:{k}"
             gen = torch.Generator().manual_seed(group_seed(base, key))
             noise.append(torch.randn(c, h, w, generator=gen))
         x = torch.stack(noise).to(self.device)
@@ -205,6 +218,7 @@ class DiffusersRollout:
             neg_embeds = uncond.prompt_embeds.cpu() if with_neg and uncond is not None else None
             neg_pooled = uncond.pooled.cpu() if with_neg and uncond is not None else None
             ones = torch.ones(traj.log_probs.shape[1], dtype=torch.long)
+            schedule = sigmas.float().cpu()  # the whole training schedule (DiffusionNFT trains on its times)
         out = []
         for i, (req, k) in enumerate(rows):
             extra: dict[str, Any] = {
@@ -220,7 +234,7 @@ class DiffusersRollout:
                     "next_sigmas": traj.next_sigmas[i], "noise_levels": traj.noise_levels[i],
                     "step_index": traj.step_index[i], "rollout_log_probs": traj.log_probs[i],
                     "response_mask": ones, "guidance_scale": float(train_cfg), "train_step": int(train_step),
-                    "embedded_guidance": embedded,
+                    "embedded_guidance": embedded, "sde_type": plan.sde_type, "schedule_sigmas": schedule,
                     "prompt_embeds": embeds[i], "pooled_prompt_embeds": pooled[i],
                 })
                 if neg_embeds is not None and neg_pooled is not None:
@@ -248,10 +262,33 @@ class DiffusersRollout:
                 param.copy_(tensor.to(param.device, param.dtype))
 
     def sleep(self, level: int = 1) -> None:
-        """No-op: the transformer is small next to the engine's training state (``capabilities.sleep`` is False)."""
+        """Release the accelerator memory between generations (a colocated run trains meanwhile): the transformer,
+        text encoders and VAE move to the host, the text-embedding cache is dropped and the platform returns its
+        allocator's cached memory (``Platform.empty_cache``). Every level does the same: the weights stay on the
+        host, so :meth:`wake_up` needs no reload. On a CPU the modules are already on the host."""
+        if self._asleep:
+            return
+        self.clear_text_cache()
+        if self.device.type != "cpu":
+            self.model.move_to("cpu")
+        self._asleep = True
+        if self.platform is not None:
+            self.platform.empty_cache()
 
     def wake_up(self) -> None:
-        """No-op (see :meth:`sleep`)."""
+        """Take the memory back: the modules return to the compute device (their weights unchanged, so the
+        images are bit-identical to those before :meth:`sleep`)."""
+        if not self._asleep:
+            return
+        if self.device.type != "cpu":
+            self.model.move_to(self.device)
+        self._params = dict(self.model.transformer.named_parameters())
+        self._asleep = False
+
+    @property
+    def asleep(self) -> bool:
+        """Whether :meth:`sleep` released the memory (until :meth:`wake_up` or the next ``generate``)."""
+        return self._asleep
 
     def shutdown(self) -> None:
         """Nothing runs outside this process."""

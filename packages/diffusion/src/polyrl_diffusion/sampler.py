@@ -1,18 +1,27 @@
-"""Flow-GRPO sampling: the SDE step with its exact Gaussian log-prob, and which steps are SDE / trained.
+"""Flow-GRPO sampling: the SDE step with its log-prob, and which steps are SDE / trained.
 
 Flow matching as in diffusers' SD3 / FLUX pipelines: ``x_s = (1 - s) x0 + s eps`` with ``s`` (sigma)
 going from 1 (noise) to 0 (data); the model predicts the velocity ``v = eps - x0``; the ODE (Euler) step
 is ``x' = x + (s' - s) v`` with ``s' < s``.
 
-Flow-GRPO (Liu et al. 2025) replaces the ODE by the SDE with the same marginals,
-``dx = [v + g^2 / (2 s) (x + (1 - s) v)] ds + g dw``, ``g = a sqrt(s / (1 - s))`` (``a`` the noise
-level). Its Euler-Maruyama step over ``ds = s' - s < 0`` is a Gaussian transition::
+Three stochastic steps (``sde_type``, the batch field of the same name holds :data:`SDE_TYPES`' index):
 
-    mean = x (1 + g^2 ds / (2 s)) + v (1 + g^2 (1 - s) / (2 s)) ds
-    std  = g sqrt(-ds)
+- ``sde`` (Flow-GRPO, Liu et al. 2025): the SDE with the ODE's marginals,
+  ``dx = [v + g^2 / (2 s) (x + (1 - s) v)] ds + g dw`` with ``g = a sqrt(s / (1 - s))`` (``a`` the noise
+  level). Its Euler-Maruyama step over ``ds = s' - s < 0`` is the Gaussian transition::
 
-so the log-density of the sampled ``x'`` is exact. ``a = 0`` gives back the Euler step. At ``s = 1``
-(``1 - s = 0``) ``g`` uses the next sigma in the denominator, as the Flow-GRPO reference does.
+      mean = x (1 + g^2 ds / (2 s)) + v (1 + g^2 (1 - s) / (2 s)) ds
+      std  = g sqrt(-ds)
+
+  At ``s = 1`` (``1 - s = 0``) ``g`` uses the next sigma in the denominator, as the Flow-GRPO reference does.
+- ``dance`` (DanceGRPO): the same SDE with a constant ``g = eta`` (its ``flux_step`` with the score
+  ``-(x - (1 - s) x0_hat) / s^2``, ``x0_hat = x - s v``, is this drift), so ``std = eta sqrt(-ds)``.
+- ``cps`` (Flow-GRPO's coefficient-preserving sampler, ``sde_type="cps"``): ``std = s' sin(a pi / 2)`` and
+  ``mean = x0_hat (1 - s') + x1_hat sqrt(s'^2 - std^2)`` with ``x0_hat = x - s v``, ``x1_hat = x + (1 - s) v``.
+
+The log-prob of an ``sde`` / ``dance`` step is the exact Gaussian density averaged over the latent elements;
+a ``cps`` step's is the reference's constant-free ``-(x' - mean)^2`` (averaged likewise). A noise level of 0
+gives the Euler step for every type.
 
 Pure torch: no diffusers import, so the algorithm tests and the engine share this one definition.
 """
@@ -30,6 +39,7 @@ import torch
 from polyrl.errors import ConfigError
 
 __all__ = [
+    "SDE_TYPES",
     "SDEStep",
     "StepPlan",
     "gaussian_log_prob",
@@ -37,19 +47,31 @@ __all__ = [
     "plan_steps",
     "sde_step",
     "sde_step_mean",
+    "sde_type_code",
     "sigma_schedule",
     "step_coefficients",
+    "step_log_prob",
     "time_shift",
+    "transition_std",
 ]
 
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
+#: The stochastic step kinds, by their code in the batch field ``sde_type``.
+SDE_TYPES = ("sde", "cps", "dance")
+
+
+def sde_type_code(name: str) -> int:
+    """The code of ``name`` in :data:`SDE_TYPES`."""
+    return SDE_TYPES.index(name)
+
 
 @dataclass
 class SDEStep:
     """One transition: the sample, its log-prob ``[B]`` (mean over latent elements), the Gaussian's mean,
-    Flow-GRPO's ``std_dev_t`` ``[B]`` and the transition std ``[B]``."""
+    the step's ``std_dev_t`` ``[B]`` (the reference implementations' name: Flow-GRPO's ``g``, DanceGRPO's
+    ``eta``, CPS's transition std) and the transition std ``[B]``."""
 
     prev_sample: torch.Tensor
     log_prob: torch.Tensor
@@ -67,44 +89,74 @@ def _per_row(value: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def noise_std(sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: torch.Tensor,
-              sigma_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              sigma_max: torch.Tensor | None = None, sde_type: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(std_dev_t, transition std)`` for steps ``sigma -> sigma_next`` (tensors of one shape).
 
-    ``std_dev_t = a * sqrt(sigma / (1 - sigma))``; where ``sigma == 1`` the denominator uses ``sigma_max``
-    (default: ``sigma_next``), the Flow-GRPO reference's choice for the first step.
+    ``sde``: ``std_dev_t = a * sqrt(sigma / (1 - sigma))``; where ``sigma == 1`` the denominator uses
+    ``sigma_max`` (default: ``sigma_next``), the Flow-GRPO reference's choice for the first step; the
+    transition std is ``std_dev_t * sqrt(sigma - sigma_next)``. ``dance``: ``std_dev_t = a`` (constant).
+    ``cps``: ``std_dev_t = sigma_next * sin(a pi / 2)``, which is also the transition std.
     """
-    sigma, sigma_next = sigma.float(), sigma_next.float()
-    ref = sigma_next if sigma_max is None else sigma_max.float()
-    denom = 1 - torch.where(sigma >= 1, ref, sigma)
-    std_dev_t = noise_level.float() * torch.sqrt(sigma / denom.clamp(min=1e-12))
+    sigma, sigma_next, level = sigma.float(), sigma_next.float(), noise_level.float()
+    if sde_type == 1:  # cps
+        std_dev_t = sigma_next * torch.sin(level * (math.pi / 2))
+        return std_dev_t, std_dev_t
+    if sde_type == 2:  # dance: a constant diffusion coefficient
+        std_dev_t = level * torch.ones_like(sigma)
+    else:
+        ref = sigma_next if sigma_max is None else sigma_max.float()
+        denom = 1 - torch.where(sigma >= 1, ref, sigma)
+        std_dev_t = level * torch.sqrt(sigma / denom.clamp(min=1e-12))
     return std_dev_t, std_dev_t * torch.sqrt((sigma - sigma_next).clamp(min=0))
 
 
-def sde_step_mean(x: torch.Tensor, v: torch.Tensor, sigma: Any, sigma_next: Any, noise_level: Any
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def transition_std(std_dev_t: torch.Tensor, dt: torch.Tensor, sde_type: int = 0) -> torch.Tensor:
+    """The transition's std from the step's ``std_dev_t`` and ``dt = sigma - sigma_next``: ``std_dev_t sqrt(dt)``
+    (``sde``, ``dance``), ``std_dev_t`` itself (``cps``)."""
+    return std_dev_t if sde_type == 1 else std_dev_t * dt.clamp(min=0).sqrt()
+
+
+def _coefficients(s: torch.Tensor, s_next: torch.Tensor, level: torch.Tensor, sde_type: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(coef_x, coef_v, dt, std_dev_t, std)`` with ``mean = x * coef_x + v * coef_v * dt`` (float32, same shape).
+
+    One definition for the rollout (all steps at once) and the engine (per row), so both compute the same
+    float32 numbers. A step at noise level 0 is the Euler step (``coef_x = coef_v = 1``) for every type.
+    """
+    std_dev_t, std = noise_std(s, s_next, level, sde_type=sde_type)
+    dt = s_next - s
+    if sde_type == 1:  # cps: x0_hat (1 - s') + x1_hat c = x (1 - s' + c) + v (-s (1 - s') + (1 - s) c)
+        c = torch.sqrt((s_next**2 - std_dev_t**2).clamp(min=0))
+        coef_x = (1 - s_next) + c
+        coef_v = (-s * (1 - s_next) + (1 - s) * c) / dt
+        euler = level == 0
+        one = torch.ones_like(coef_x)
+        return torch.where(euler, one, coef_x), torch.where(euler, one, coef_v), dt, std_dev_t, std
+    g2 = std_dev_t**2
+    return 1 + g2 / (2 * s) * dt, 1 + g2 * (1 - s) / (2 * s), dt, std_dev_t, std
+
+
+def sde_step_mean(x: torch.Tensor, v: torch.Tensor, sigma: Any, sigma_next: Any, noise_level: Any,
+                  sde_type: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The transition's ``(mean, std_dev_t [B], std [B])`` (see the module docstring); differentiable in ``v``."""
     s, s_next, a = _per_row(sigma, x), _per_row(sigma_next, x), _per_row(noise_level, x)
-    std_dev_t, std = noise_std(s, s_next, a)
-    dt = s_next - s
-    g2 = std_dev_t.to(x.dtype) ** 2
-    mean = x * (1 + g2 / (2 * s) * dt) + v * (1 + g2 * (1 - s) / (2 * s)) * dt
+    coef_x, coef_v, dt, std_dev_t, std = _coefficients(s.float(), s_next.float(), a.float(), sde_type)
+    mean = x * coef_x.to(x.dtype) + v * coef_v.to(x.dtype) * dt.to(x.dtype)
     return mean, std_dev_t.reshape(-1), std.reshape(-1)
 
 
-def step_coefficients(sigmas: torch.Tensor, noise_levels: Sequence[float]
+def step_coefficients(sigmas: torch.Tensor, noise_levels: Sequence[float], sde_type: int = 0
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(coef_x, coef_v, dt, std)`` ``[S]`` of the steps ``sigmas[k] -> sigmas[k + 1]`` at ``noise_levels[k]``,
     so that :func:`sde_step_mean`'s mean is ``x * coef_x + v * coef_v * dt`` with transition std ``std``.
 
-    The same float32 operations in the same order as :func:`sde_step_mean` (elementwise, so a trajectory
-    sampled with these is bit-identical to one stepped with :func:`sde_step`), for all steps at once.
+    The same float32 operations as :func:`sde_step_mean` (elementwise, so a trajectory sampled with these is
+    bit-identical to one stepped with :func:`sde_step`), for all steps at once.
     """
     s, s_next = sigmas[:-1].float(), sigmas[1:].float()
     a = torch.as_tensor(list(noise_levels), dtype=torch.float32)
-    std_dev_t, std = noise_std(s, s_next, a)
-    dt = s_next - s
-    g2 = std_dev_t**2
-    return 1 + g2 / (2 * s) * dt, 1 + g2 * (1 - s) / (2 * s), dt, std
+    coef_x, coef_v, dt, _, std = _coefficients(s, s_next, a, sde_type)
+    return coef_x, coef_v, dt, std
 
 
 def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -120,20 +172,30 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
     return torch.where(s.reshape(-1) > 0, lp, torch.zeros_like(lp))
 
 
+def step_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, sde_type: int = 0) -> torch.Tensor:
+    """The step's log-prob ``[B]``: :func:`gaussian_log_prob` (``sde``, ``dance``), or for ``cps`` the Flow-GRPO
+    reference's constant-free ``-(x - mean)^2`` averaged over the latent elements (0 where ``std == 0``)."""
+    if sde_type != 1:
+        return gaussian_log_prob(x, mean, std)
+    lp = (-((x.float() - mean.float()) ** 2)).flatten(1).mean(-1)
+    return torch.where(_per_row(std, x).float().reshape(-1) > 0, lp, torch.zeros_like(lp))
+
+
 def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: Any, sigma_next: Any, noise_level: Any, *,
              prev_sample: torch.Tensor | None = None, noise: torch.Tensor | None = None,
-             generator: torch.Generator | None = None) -> SDEStep:
-    """One Flow-GRPO step from ``x`` (at ``sigma``) with velocity ``v`` to ``sigma_next``.
+             generator: torch.Generator | None = None, sde_type: int = 0) -> SDEStep:
+    """One step from ``x`` (at ``sigma``) with velocity ``v`` to ``sigma_next`` (``sde_type``: an index of
+    :data:`SDE_TYPES`).
 
     With ``prev_sample`` given, scores that sample instead of drawing one (the engine's recomputation).
     ``noise`` (standard normal, shaped like ``x``) or ``generator`` choose the draw.
     """
-    mean, std_dev_t, std = sde_step_mean(x, v, sigma, sigma_next, noise_level)
+    mean, std_dev_t, std = sde_step_mean(x, v, sigma, sigma_next, noise_level, sde_type)
     if prev_sample is None:
         if noise is None:
             noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
         prev_sample = mean + _per_row(std, x) * noise
-    return SDEStep(prev_sample, gaussian_log_prob(prev_sample, mean, std), mean, std_dev_t, std)
+    return SDEStep(prev_sample, step_log_prob(prev_sample, mean, std, sde_type), mean, std_dev_t, std)
 
 
 def time_shift(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
@@ -153,11 +215,15 @@ def sigma_schedule(num_steps: int, shift: float = 1.0) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Per sampler step: whether it is an SDE step, whether it is kept for training, its noise level."""
+    """Per sampler step: whether it is an SDE step, whether it is kept for training, its noise level; the
+    stochastic step's kind (an index of :data:`SDE_TYPES`) and whether each image draws its own random subset
+    of ``len(trained_indices)`` SDE steps to train (DanceGRPO) instead of training ``trained_indices``."""
 
     sde: tuple[bool, ...]
     trained: tuple[bool, ...]
     noise_levels: tuple[float, ...]
+    sde_type: int = 0
+    random_subset: bool = False
 
     @property
     def num_steps(self) -> int:
@@ -170,17 +236,46 @@ class StepPlan:
         return [i for i, t in enumerate(self.trained) if t]
 
 
+def trainable_steps(cfg: Any) -> int:
+    """How many of the ``train_steps`` sampler steps may be SDE and trained: all but the last, as Flow-GRPO
+    (``timestep_fraction`` 0.99, Flow-GRPO-Fast's window ``(0, T - 1)``), DanceGRPO and MixGRPO do (the last
+    step ends at sigma 0, where the Gaussian is sharpest), or all of them with ``train_last_step``."""
+    steps = int(cfg.train_steps)
+    return steps if cfg.train_last_step else steps - 1
+
+
+def mix_grpo_window(cfg: Any, train_step: int) -> tuple[int, int]:
+    """MixGRPO's ``[start, end)`` at training step ``train_step`` (its ``GRPOTrainingStates``, ``progressive``
+    with ``prog_overlap`` and ``roll_back``): the start moves by ``stride`` every ``shift_interval`` steps and rolls
+    back to 0 past the last start; windows are clipped at ``train_steps - 2`` (the reference's ``max_timesteps``,
+    an exclusive bound, so neither of the last two steps is trained; ``train_last_step``: at ``train_steps``).
+
+    The reference also visits the start at the bound itself, whose window is empty (an update with nothing
+    trained); polyrl skips that position."""
+    mix = cfg.mix_grpo
+    steps = int(cfg.train_steps)
+    end = steps if cfg.train_last_step else steps - 2
+    size, interval, stride = int(mix.window_size), int(mix.shift_interval), int(mix.stride)
+    if end < 1:
+        raise ConfigError(f"trainer.flow_grpo.train_steps={steps}: MixGRPO trains windows below step train_steps - 2 "
+                          "(as its reference); use train_steps >= 3 (or trainer.flow_grpo.train_last_step=true)")
+    count = 1 if stride == 0 else -(-end // stride)  # starts 0, stride, 2 stride, ... below `end`
+    start = (int(train_step) // interval % count) * stride
+    return start, min(start + size, end)
+
+
 def sde_window(cfg: Any, train_step: int, rng: random.Random | None = None) -> tuple[int, int]:
     """``[start, end)`` of the SDE steps among ``cfg.train_steps`` at training step ``train_step``.
 
-    - MixGRPO (``mix_grpo.enable``): a window of ``mix_grpo.window_size`` that moves by
-      ``mix_grpo.stride`` steps every ``mix_grpo.shift_interval`` training steps, wrapping round.
-    - Flow-GRPO-Fast (``sde_window_size > 0``): ``sde_window_size`` steps from ``sde_window_start``,
-      or from a start drawn uniformly in ``[0, sde_window_start]`` with ``sde_window_random``.
-    - otherwise every step is SDE (Flow-GRPO).
-    Raises :class:`ConfigError` naming the key for a window outside the sampler's steps.
+    - MixGRPO (``mix_grpo.enable``): :func:`mix_grpo_window`.
+    - Flow-GRPO-Fast (``sde_window_size > 0``): ``sde_window_size`` steps from ``sde_window_start``, or with
+      ``sde_window_random`` (the default, as the reference) from a start drawn uniformly in
+      ``[0, sde_window_start]``.
+    - otherwise every trainable step (:func:`trainable_steps`): Flow-GRPO, DanceGRPO.
+    Raises :class:`ConfigError` naming the key for a window outside the trainable steps.
     """
     steps = int(cfg.train_steps)
+    trainable = trainable_steps(cfg)
     mix = cfg.mix_grpo
     if mix.enable:
         size = int(mix.window_size)
@@ -189,16 +284,16 @@ def sde_window(cfg: Any, train_step: int, rng: random.Random | None = None) -> t
         if mix.shift_interval < 1 or mix.stride < 0:
             raise ConfigError("trainer.flow_grpo.mix_grpo.shift_interval must be >= 1 and stride >= 0 "
                               f"(got {mix.shift_interval}, {mix.stride})")
-        positions = steps - size + 1
-        start = (int(train_step) // int(mix.shift_interval) * int(mix.stride)) % positions
-        return start, start + size
+        return mix_grpo_window(cfg, train_step)
     size = int(cfg.sde_window_size)
     if size <= 0:
-        return 0, steps
+        return 0, trainable
     start = int(cfg.sde_window_start)
-    if size > steps or start < 0 or start + size > steps:
+    if size > trainable or start < 0 or start + size > trainable:
+        last = "" if cfg.train_last_step else " (the last step is never SDE: trainer.flow_grpo.train_last_step=false)"
         raise ConfigError(f"trainer.flow_grpo.sde_window_start={start} + sde_window_size={size} lies outside the "
-                          f"sampler's trainer.flow_grpo.train_steps={steps} steps: choose start + size <= {steps}")
+                          f"sampler's {trainable} trainable steps of trainer.flow_grpo.train_steps={steps}{last}: "
+                          f"choose start + size <= {trainable}")
     if cfg.sde_window_random:
         start = (rng or random).randint(0, start)
     return start, start + size
@@ -208,10 +303,14 @@ def plan_steps(cfg: Any, train_step: int, *, validate: bool = False, rng: random
     """Which of the sampler's steps are SDE and trained, and each step's noise level.
 
     Validation samples with ``cfg.eval_steps`` ODE steps (nothing trained). Training uses
-    ``cfg.train_steps``: SDE on the window (:func:`sde_window`), ODE elsewhere; of the window's steps a
-    random ``timestep_fraction`` (DanceGRPO: ``dance_grpo.timestep_fraction``) is trained, at least one.
-    The noise level is ``noise_level`` (DanceGRPO: ``dance_grpo.noise_level``, constant), or with
+    ``cfg.train_steps``: SDE on the window (:func:`sde_window`), ODE elsewhere (the last step always, unless
+    ``train_last_step``). Trained steps: Flow-GRPO's first ``int(timestep_fraction * train_steps)`` steps of the
+    window (its ``range(num_train_timesteps)``; all of a Fast or MixGRPO window at fraction 1); DanceGRPO's
+    random ``int(dance_grpo.timestep_fraction * window)`` steps per image (at least one either way).
+    The noise level is ``noise_level`` (DanceGRPO: its constant ``dance_grpo.noise_level``, eta), or with
     ``noise_schedule: linear`` decays from ``noise_level`` to ``noise_level_min`` over the SDE steps.
+    DiffusionNFT (``algorithm: diffusion_nft``) keeps one step (it carries the reward; the update uses the clean
+    samples) and with ``nft.deterministic`` samples every step with the ODE.
     """
     if validate:
         n = int(cfg.eval_steps)
@@ -220,11 +319,19 @@ def plan_steps(cfg: Any, train_step: int, *, validate: bool = False, rng: random
     steps = int(cfg.train_steps)
     start, end = sde_window(cfg, train_step, rng)
     dance = cfg.dance_grpo.enable
-    fraction = float(cfg.dance_grpo.timestep_fraction if dance else cfg.timestep_fraction)
     window = list(range(start, end))
-    keep = max(1, round(fraction * len(window)))
-    trained = set(sorted(rng.sample(window, keep))) if keep < len(window) else set(window)
+    nft = getattr(cfg, "algorithm", "flow_grpo") == "diffusion_nft"
+    if nft:  # DiffusionNFT trains on the clean samples: one step only carries the image's reward
+        trained = {start}
+    elif dance:
+        keep = max(1, int(float(cfg.dance_grpo.timestep_fraction) * len(window)))
+        trained = set(rng.sample(window, keep))  # each image redraws its own subset (StepPlan.random_subset)
+    else:
+        keep = max(1, min(len(window), int(float(cfg.timestep_fraction) * steps)))
+        trained = set(window[:keep])
     level = float(cfg.dance_grpo.noise_level if dance else cfg.noise_level)
+    if nft and cfg.nft.deterministic:  # DiffusionNFT's reference samples with a deterministic solver
+        level = 0.0
     levels = []
     for i in range(steps):
         if not start <= i < end:
@@ -235,32 +342,41 @@ def plan_steps(cfg: Any, train_step: int, *, validate: bool = False, rng: random
         else:
             levels.append(level)
     sde = tuple(start <= i < end for i in range(steps))
-    return StepPlan(sde, tuple(i in trained for i in range(steps)), tuple(levels))
+    kind = sde_type_code("dance") if dance else sde_type_code(str(cfg.sde_type))
+    return StepPlan(sde, tuple(i in trained for i in range(steps)), tuple(levels), kind,
+                    random_subset=dance and not nft)
 
 
 def check_sampler_config(cfg: Any) -> None:
-    """ConfigErrors naming the ``trainer.flow_grpo`` key, before any worker starts."""
+    """ConfigErrors naming the ``trainer.flow_grpo`` key, before any worker starts (every number finite and in
+    range: :func:`polyrl_diffusion.config.check_numbers`; then the choices and the window)."""
+    from polyrl_diffusion.config import check_numbers
+
     key = "trainer.flow_grpo"
-    for name in ("train_steps", "eval_steps"):
-        if int(getattr(cfg, name)) < 1:
-            raise ConfigError(f"{key}.{name}={getattr(cfg, name)} must be >= 1")
-    if cfg.noise_level < 0 or cfg.noise_level_min < 0 or cfg.dance_grpo.noise_level < 0:
-        raise ConfigError(f"{key}.noise_level / noise_level_min / dance_grpo.noise_level must be >= 0")
+    check_numbers(cfg, key)
     if cfg.noise_schedule not in ("constant", "linear"):
         raise ConfigError(f"{key}.noise_schedule={cfg.noise_schedule!r}: choose 'constant' or 'linear'")
-    for name, value in (("timestep_fraction", cfg.timestep_fraction),
-                        ("dance_grpo.timestep_fraction", cfg.dance_grpo.timestep_fraction)):
-        if not 0 < float(value) <= 1:
-            raise ConfigError(f"{key}.{name}={value} must be in (0, 1]")
+    if cfg.sde_type not in ("sde", "cps"):
+        raise ConfigError(f"{key}.sde_type={cfg.sde_type!r}: choose 'sde' (Flow-GRPO) or 'cps' (coefficient-preserving)")
+    if cfg.sde_type == "cps" and not 0 <= cfg.noise_level <= 1:
+        raise ConfigError(f"{key}.noise_level={cfg.noise_level} with sde_type=cps must be in [0, 1] "
+                          "(the step's std is sigma_next * sin(noise_level * pi / 2))")
+    if cfg.kl_form not in ("flow_grpo", "exact"):
+        raise ConfigError(f"{key}.kl_form={cfg.kl_form!r}: choose 'flow_grpo' (Flow-GRPO's beta) or 'exact'")
     if cfg.mix_grpo.enable and cfg.sde_window_size > 0:
         raise ConfigError(f"{key}.mix_grpo.enable and {key}.sde_window_size both set an SDE window: keep one")
     if cfg.mix_grpo.enable and cfg.dance_grpo.enable:
         raise ConfigError(f"{key}.mix_grpo.enable and {key}.dance_grpo.enable: choose one variant")
-    if cfg.cfg_scale < 1:
-        raise ConfigError(f"{key}.cfg_scale={cfg.cfg_scale} must be >= 1 (1 disables classifier-free guidance)")
-    if not math.isfinite(float(cfg.embedded_guidance)) or cfg.embedded_guidance < 0:
-        raise ConfigError(f"{key}.embedded_guidance={cfg.embedded_guidance} must be a number >= 0 (FLUX.1-dev's "
-                          "recipe: 3.5)")
+    if cfg.dance_grpo.enable and cfg.sde_type != "sde":
+        raise ConfigError(f"{key}.dance_grpo.enable samples with DanceGRPO's own SDE: leave {key}.sde_type=sde")
+    if trainable_steps(cfg) < 1:
+        raise ConfigError(f"{key}.train_steps={cfg.train_steps} leaves no step to train (the last step is ODE and "
+                          f"never trained, as in the references): use train_steps >= 2, or {key}.train_last_step=true")
+    level = cfg.dance_grpo.noise_level if cfg.dance_grpo.enable else cfg.noise_level
+    if cfg.algorithm == "flow_grpo" and level == 0:
+        which = "dance_grpo.noise_level" if cfg.dance_grpo.enable else "noise_level"
+        raise ConfigError(f"{key}.{which}=0 makes every step an ODE step: the Flow-GRPO loss would have nothing to "
+                          f"train. Use a noise level > 0, or {key}.algorithm=diffusion_nft for ODE sampling")
     sde_window(cfg, 0, random.Random(0))  # raises for a window outside the steps
 
 
@@ -344,7 +460,8 @@ def sample_trajectory(velocity_fn: Any, initial_noise: torch.Tensor, sigmas: tor
     levels = torch.tensor(step_levels, dtype=torch.float32)[index]
     # per-step scalars shaped to broadcast against x: one indexing op each per step
     shape = (plan.num_steps, *((1,) * x.dim()))
-    coef_x, coef_v, dts, stds = (c.to(x.device).reshape(shape) for c in step_coefficients(sigmas, step_levels))
+    coef_x, coef_v, dts, stds = (c.to(x.device).reshape(shape)
+                                 for c in step_coefficients(sigmas, step_levels, plan.sde_type))
     safe = torch.where(stds > 0, stds, torch.ones_like(stds))
     lp_den, lp_log, step_std = 2 * safe**2, torch.log(safe), stds.flatten().tolist()
     for step in range(plan.num_steps):
@@ -357,8 +474,11 @@ def sample_trajectory(velocity_fn: Any, initial_noise: torch.Tensor, sigmas: tor
         if step in index_of:
             r, j = index_of[step]
             lat[r, j], nxt[r, j] = x[r].cpu(), prev[r].cpu()
-            if step_std[step] > 0:  # gaussian_log_prob's operations, its per-row std a scalar here
-                lp = (-((prev[r] - mean[r]) ** 2) / lp_den[step] - lp_log[step] - _HALF_LOG_2PI).flatten(1).mean(-1)
-                logps[r, j] = lp.cpu()  # an ODE step (std 0) keeps log-prob 0, as gaussian_log_prob gives
+            if step_std[step] > 0:  # step_log_prob's operations, its per-row std a scalar here
+                if plan.sde_type == 1:  # cps: the reference's constant-free log-prob
+                    lp = (-((prev[r] - mean[r]) ** 2)).flatten(1).mean(-1)
+                else:
+                    lp = (-((prev[r] - mean[r]) ** 2) / lp_den[step] - lp_log[step] - _HALF_LOG_2PI).flatten(1).mean(-1)
+                logps[r, j] = lp.cpu()  # an ODE step (std 0) keeps log-prob 0, as step_log_prob gives
         x = prev
     return Trajectory(lat, nxt, sig, sig_next, levels, logps, index, x.cpu(), initial_noise.cpu())

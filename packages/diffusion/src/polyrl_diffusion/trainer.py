@@ -19,7 +19,7 @@ from tensordict import TensorDict
 
 from polyrl.errors import ConfigError
 from polyrl.trainer.ppo import PPOTrainer
-from polyrl_diffusion.config import DiffusersRolloutConfig, FlowGRPOConfig
+from polyrl_diffusion.config import DiffusersRolloutConfig, FlowGRPOConfig, check_numbers
 from polyrl_diffusion.worker import FlowGRPOWorker
 
 log = logging.getLogger("polyrl")
@@ -54,9 +54,17 @@ class FlowGRPOTrainer(PPOTrainer):
         from polyrl_diffusion.models import pipeline_family
 
         self.family, self.tiny = pipeline_family(config.actor.model.path, "actor.model.path")
+        check_image_size(fg, config.actor.model.path)
         rollout_opts = config.rollout.plugin_config
         if not isinstance(rollout_opts, DiffusersRolloutConfig):
             rollout_opts = DiffusersRolloutConfig()
+        check_numbers(rollout_opts, "rollout.diffusers", skip=("sampler",))
+        engine_opts = config.actor.plugin_config
+        if engine_opts is not None and getattr(engine_opts, "fsdp_size", -1) not in (-1,) and engine_opts.fsdp_size < 1:
+            raise ConfigError(f"actor.diffusers.fsdp_size={engine_opts.fsdp_size}: give -1 (every rank) or a divisor "
+                              "of the number of workers")
+        for key, value in advantage_defaults(fg).items():  # the variant's reference; a user's setting wins
+            config.algorithm.extra.setdefault(key, value)
         rollout_opts.sampler = fg  # the workers' rollout samples with the trainer's block
         config.rollout.plugin_config = rollout_opts
         if getattr(config.agent, "default_loop", "single_turn") == "single_turn":
@@ -64,6 +72,19 @@ class FlowGRPOTrainer(PPOTrainer):
         super().__init__(config, manifest=manifest, plugins=plugins)
         if fg.algorithm == "diffusion_nft":  # D2: NFT trains on clean samples, no per-step log-probs
             self.skip_old_log_prob = True
+        kl = fg.nft.kl_coef if fg.algorithm == "diffusion_nft" else fg.kl_coef
+        if kl > 0 and not self.use_ref:  # the KL's reference: the adapter-disabled LoRA actor, else a ref engine
+            if str(config.ref.enable).lower() == "false" and config.actor.model.lora.rank == 0:
+                key = "nft.kl_coef" if fg.algorithm == "diffusion_nft" else "kl_coef"
+                raise ConfigError(f"trainer.flow_grpo.{key}={kl} needs a reference model: train with LoRA "
+                                  "(actor.model.lora.rank > 0; the reference is the adapter-disabled model) or "
+                                  f"leave ref.enable on, or set trainer.flow_grpo.{key}=0")
+            self.use_ref = True
+        self.ema_validation = fg.ema_settings()[0]
+        if self.ema_validation and config.trainer.async_mode != "sync":
+            log.warning("trainer.flow_grpo.ema: with trainer.async_mode=%s validation samples with the trained "
+                        "weights, not the EMA (the rollout keeps generating meanwhile)", config.trainer.async_mode)
+            self.ema_validation = False
 
     # ------------------------------------------------------------------ what differs from text RL
     def build_tokenizer(self) -> Any:
@@ -130,11 +151,12 @@ class FlowGRPOTrainer(PPOTrainer):
         manager = self.pm.get("reward_manager", name)
         return manager(tokenizer=None, compute_score=load_compute_score(cfg.reward), config=cfg.reward)
 
-    def _next_rows(self) -> list[dict]:
-        # the training step rides on each row (MixGRPO's window moves with it), and a key that names the row
-        # in this step without the uid's random suffix: the rollout's noise follows it (reproducible runs);
-        # ``round`` counts the draws of one step (a group filter may draw again)
-        rows = super()._next_rows()
+    def next_rows(self) -> list[dict]:
+        """The core's rows, each with the training step (MixGRPO's window moves with it) and a key that names
+        the row in this step without the uid's random suffix (the rollout's noise follows it: reproducible
+        runs)."""
+        # ``draw`` counts the draws of one step (a group filter may draw again)
+        rows = super().next_rows()
         last_step, last_round = getattr(self, "_rows_draw", (None, -1))
         draw = last_round + 1 if last_step == self.global_step else 0
         self._rows_draw = (self.global_step, draw)
@@ -175,9 +197,20 @@ class FlowGRPOTrainer(PPOTrainer):
 
     def validate(self) -> dict[str, float]:
         """Mean reward per data source of ODE samples with ``trainer.flow_grpo.eval_steps`` steps (one image per
-        validation prompt, seeded: the same noise every time, so the curve shows the model, not the draw)."""
+        validation prompt, seeded: the same noise every time, so the curve shows the model, not the draw). With an
+        EMA (``trainer.flow_grpo.ema``) the rollout samples with the EMA's weights, then gets the run's back."""
+        if not self.ema_validation:
+            return self._validate()
+        self.groups.actor.call_all("serve_rollout_weights", "ema")
+        self.groups.sync_weights()
+        try:
+            return self._validate()
+        finally:
+            self.groups.actor.call_all("serve_rollout_weights", None)
+            self.groups.sync_weights()
+
+    def _validate(self) -> dict[str, float]:
         from polyrl import batch as batch_ops
-        from polyrl.trainer.ppo import _pad_rows
 
         cfg = self.config
         rows = list(self.val_set)
@@ -187,13 +220,8 @@ class FlowGRPOTrainer(PPOTrainer):
         size = cfg.data.val_batch_size or len(rows)
         for start in range(0, len(rows), size):
             part = [dict(r, uid=f"val-{start + i}", _validate=True) for i, r in enumerate(rows[start : start + size])]
-            padded = _pad_rows(part, self.groups.rollout.world_size)
-            batch = self.groups.generate(padded, self._sampling(validate=True))
-            batch_ops.set_non_tensor(batch, "uid", [s["uid"] for s in padded])
-            batch_ops.set_non_tensor(batch, "data_source", [s.get("data_source", "") for s in padded])
-            batch_ops.set_non_tensor(batch, "ground_truth",
-                                     [(s.get("reward_model") or {}).get("ground_truth") for s in padded])
-            batch_ops.set_non_tensor(batch, "extra_info", [s.get("extra_info") or {} for s in padded])
+            padded = self.pad_rows(part)
+            batch = self.generate_batch(padded, 1, validate=True)
             scores = self.reward_fn(batch).token_level_scores.sum(-1)
             sources = batch_ops.non_tensor(batch, "data_source")
             for i, s in enumerate(padded):
@@ -201,6 +229,28 @@ class FlowGRPOTrainer(PPOTrainer):
                     per_source[sources[i] or "images"].append(float(scores[i]))
             self.last_val_images = batch["images"][: len(part)]
         return {f"val/{src}/reward_mean": float(np.mean(v)) for src, v in per_source.items()}
+
+
+def advantage_defaults(flow: FlowGRPOConfig) -> dict[str, Any]:
+    """The ``flow_grpo`` advantage estimator's options of the run's variant, as its reference computes them:
+    Flow-GRPO (and -Fast, DiffusionNFT): the population std of the whole batch plus 1e-4 (``PerPromptStatTracker``
+    with ``global_std: True``); DanceGRPO and MixGRPO: each group's unbiased std plus 1e-8."""
+    if flow.algorithm == "flow_grpo" and (flow.dance_grpo.enable or flow.mix_grpo.enable):
+        return {"global_std": False, "std_unbiased": True, "epsilon": 1e-8}
+    return {"global_std": True, "std_unbiased": False, "epsilon": 1e-4}
+
+
+def check_image_size(flow: FlowGRPOConfig, model_path: str) -> None:
+    """A ConfigError naming ``trainer.flow_grpo.height`` / ``width`` when the size is not a multiple of what the
+    pipeline at ``model_path`` needs (its latent size must be even)."""
+    from polyrl_diffusion.models import pixels_per_latent
+
+    multiple = 2 * pixels_per_latent(model_path)
+    for key in ("height", "width"):
+        value = int(getattr(flow, key))
+        if value and value % multiple:
+            raise ConfigError(f"trainer.flow_grpo.{key}={value}: give a multiple of {multiple} pixels for this "
+                              "model (or 0 for its default size)")
 
 
 def images_grid(images: torch.Tensor, columns: int = 8) -> np.ndarray:

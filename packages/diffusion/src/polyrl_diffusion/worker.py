@@ -45,11 +45,59 @@ def _consecutive_rows(values: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((len(values), *first.shape), (step, *first.stride()), offset)
 
 
+def flow_options(config: Any) -> Any:
+    """The run's ``trainer.flow_grpo`` block as a :class:`~polyrl_diffusion.config.FlowGRPOConfig`."""
+    from polyrl_diffusion.config import FlowGRPOConfig
+
+    value = getattr(config.trainer, "plugin_config", None)
+    if isinstance(value, FlowGRPOConfig):
+        return value
+    if value is None:
+        return FlowGRPOConfig()
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(FlowGRPOConfig), value))
+
+
 class FlowGRPOWorker(Worker):
     """Engines of model type ``diffusion``; no text tokenizer (the pipeline's text encoder has its own);
-    batches of images and SDE transitions; the KL to the reference on the step means."""
+    batches of images and SDE transitions; the KL to the reference on the step means; the actor's weight
+    copies (``trainer.flow_grpo.ema``; DiffusionNFT's old policy, which the rollout samples with)."""
 
     model_types = {"actor": "diffusion", "ref": "diffusion", "critic": "diffusion"}
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        actor = self.actor
+        if actor is None or not hasattr(actor, "add_weight_copy") or getattr(actor, "optimizer", None) is None:
+            return
+        flow = flow_options(self.config)
+        enabled, decay, interval = flow.ema_settings()
+        if enabled:
+            actor.add_weight_copy("ema", ema=(decay, interval))
+        if flow.algorithm == "diffusion_nft":
+            from polyrl_diffusion.nft import OLD_POLICY
+
+            actor.add_weight_copy(OLD_POLICY)
+            actor.rollout_weights = OLD_POLICY
+
+    def serve_rollout_weights(self, name: str | None) -> None:
+        """Which weights the actor hands the rollout at the next weight sync: the copy ``name`` (``ema`` for
+        validation samples), or ``None`` for the run's default (the trained weights; DiffusionNFT's old policy)."""
+        if self.actor is None or not hasattr(self.actor, "weight_copies"):
+            return
+        if name is None:
+            from polyrl_diffusion.nft import OLD_POLICY
+
+            name = OLD_POLICY if OLD_POLICY in self.actor.weight_copies else None
+        self.actor.rollout_weights = name
+
+    def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict:
+        """Zeros: the diffusion KL is taken on the step means (or velocities) inside the actor update, which asks
+        the reference itself; the core's per-step log-prob KL (``actor.use_kl_loss``) gets the real values."""
+        if self.config.actor.use_kl_loss:
+            return super().compute_ref_log_prob(batch)
+        return TensorDict({"log_probs": torch.zeros(batch["response_mask"].shape)}, batch_size=batch.batch_size)
 
     def load_tokenizer(self) -> Any:
         """None: prompts travel as text and the rollout's pipeline encodes them."""
@@ -77,37 +125,35 @@ class FlowGRPOWorker(Worker):
     def update_actor(self, batch: TensorDict) -> dict[str, float]:
         """The core's PPO update (same mini-batches and epochs); with ``trainer.flow_grpo.kl_coef > 0`` the
         reference's step means (``ref_prev_sample_mean``: the adapter-disabled actor, or the ref engine) are
-        computed first and the loss adds ``kl_coef`` times the exact KL of the two Gaussian transitions."""
+        computed first and the loss adds ``kl_coef`` times the KL on the step means (``kl_form``)."""
         from polyrl.trainer.losses import make_actor_loss
-        from polyrl.trainer.role_worker import _run_epochs
         from polyrl_diffusion.nft import is_nft, update_actor_nft
 
         if is_nft(self.config):  # D2: DiffusionNFT's forward-process update (nft.py)
             return update_actor_nft(self, batch)
         cfg = self.config.actor
-        rows = cfg.ppo_mini_batch_size * self.config.rollout.n // self.actor.dp_size
-        on_policy = "old_log_probs" not in batch.keys()
-        if on_policy and (cfg.ppo_epochs > 1 or rows < batch.batch_size[0]):
-            raise RuntimeError("update_actor got no old_log_probs but runs more than one pass over the batch: "
-                               "compute them first (compute_log_prob)")
-        loss = make_actor_loss(cfg, on_policy=on_policy)
-        coef = float(getattr(self.config.trainer.plugin_config, "kl_coef", 0.0) or 0.0)
+        loss = make_actor_loss(cfg, on_policy=self.update_is_on_policy(batch))
+        flow = flow_options(self.config)
+        coef = float(flow.kl_coef)
         if coef > 0:
             engine = self.ref if self.ref is not None else self.actor
             batch["ref_prev_sample_mean"] = engine.infer_batch(batch, disable_adapter=self.ref is None)["prev_sample_mean"]
-            loss = _with_mean_kl(loss, coef, cfg.loss_agg_mode)
-        return _run_epochs(self.actor, batch, rows, cfg.ppo_epochs, loss, cfg.shuffle, self.actor.dp_rank)
+            loss = _with_mean_kl(loss, coef, cfg.loss_agg_mode, flow.kl_form)
+        return self.run_update_epochs(self.actor, batch, loss, cfg, shuffle=cfg.shuffle)
 
 
-def _with_mean_kl(base: Any, coef: float, agg_mode: str) -> Any:
-    """``base`` plus ``coef`` times Flow-GRPO's KL on the step means (D2's :func:`flow_grpo_kl`, exact form)."""
+def _with_mean_kl(base: Any, coef: float, agg_mode: str, form: str = "flow_grpo") -> Any:
+    """``base`` plus ``coef`` times the KL on the step means (:func:`~polyrl_diffusion.algorithms.flow_grpo_kl`):
+    ``form="flow_grpo"`` divides by ``2 std_dev_t^2`` (Flow-GRPO's, so ``coef`` is its ``beta``), ``"exact"`` by
+    twice the transition's variance (the exact KL of the two Gaussian steps)."""
     from polyrl.algorithms import agg_loss
     from polyrl_diffusion.algorithms import flow_grpo_kl
 
     def loss(out: Any, mb: TensorDict, scale: Any) -> tuple[torch.Tensor, dict[str, float]]:
         value, metrics = base(out, mb, scale)
-        kl = flow_grpo_kl(out["prev_sample_mean"], mb["ref_prev_sample_mean"], out["std_dev_t"],
-                          dt=mb["sigmas"] - mb["next_sigmas"])
+        cps = "sde_type" in mb.keys() and int(mb["sde_type"][0]) == 1  # cps: std_dev_t is the transition std
+        dt = mb["sigmas"] - mb["next_sigmas"] if form == "exact" and not cps else None
+        kl = flow_grpo_kl(out["prev_sample_mean"], mb["ref_prev_sample_mean"], out["std_dev_t"], dt=dt)
         kl_loss = agg_loss(kl, mb["response_mask"], agg_mode, loss_scale=scale)
         metrics["actor/kl_mean_loss"] = float(kl_loss.detach())
         return value + coef * kl_loss, metrics

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from polyrl.errors import ConfigError
+
 
 @dataclass
 class FSDPConfig:
@@ -32,3 +36,17 @@ class FSDPConfig:
     #: Largest safetensors file ``export_hf`` writes (transformers' ``max_shard_size``); a bigger model is
     #: split into shards with a ``model.safetensors.index.json``.
     export_max_shard_size: str = "5GB"
+
+
+def torch_dtype(name: str, key: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; a ``ConfigError`` naming the config ``key`` for anything else."""
+    value = getattr(torch, str(name), None)
+    if not isinstance(value, torch.dtype):
+        raise ConfigError(f"{key}={name!r} is not a torch dtype; use float32, bfloat16 or float16")
+    return value
+
+
+def check_choice(value: str, allowed: tuple[str, ...], key: str) -> None:
+    """A ``ConfigError`` naming the config ``key`` unless ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r}: choose one of {', '.join(allowed)}")

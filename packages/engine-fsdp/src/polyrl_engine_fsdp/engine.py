@@ -6,6 +6,13 @@ copy of the model lives on one rank (one rank, or ``fsdp.fsdp_size=1``), the mod
 stays a plain module and gradients are all-reduced (DDP-like). The model sits inside :class:`_Head`, a root module
 whose forward runs the backbone and then the LM head on the response positions
 only, in chunks, so ``[tokens x vocab]`` logits never exist whole.
+
+A subclass that trains another kind of model (polyrl-diffusion's ``diffusers`` engine) reuses the sharding,
+optimizer, micro-batching, checkpoints and weight buckets, and overrides the public extension points of
+:class:`FSDPEngine`: :meth:`~FSDPEngine.check_options`, :meth:`~FSDPEngine.load_model`,
+:meth:`~FSDPEngine.apply_lora`, :meth:`~FSDPEngine.wrap_model`, :meth:`~FSDPEngine.forward_micro_batch`
+(and may call :meth:`~FSDPEngine.split_micro_batches`, :meth:`~FSDPEngine.padding_micro_batch`,
+:meth:`~FSDPEngine.full_parameters`, :func:`full_tensor`); see docs/plugins/extension_points.md.
 """
 
 from __future__ import annotations
@@ -14,11 +21,8 @@ import contextlib
 import json
 import logging
 import math
-import os
 import random
 import re
-import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,12 +34,13 @@ from tensordict import TensorDict
 from torch import nn
 
 from polyrl.batch import require_fields
+from polyrl.checkpoint_io import atomic_checkpoint_dir, load_dcp, load_json, load_tensors
+from polyrl.distributed import ensure_process_group
 from polyrl.errors import CheckpointError, ConfigError
 from polyrl.lr_schedules import build_lr_scheduler
 from polyrl.models.paths import check_model_path
 from polyrl.protocols import LossScale
-from polyrl.trainer.checkpoint import load_dcp, load_tensors
-from polyrl_engine_fsdp.config import FSDPConfig
+from polyrl_engine_fsdp.config import FSDPConfig, check_choice, torch_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +135,17 @@ def _chunk_logprob(h, y, weight, bias, temperature: float, compute_entropy: bool
 
 
 class FSDPEngine:
-    """FSDP2 engine for the ``actor``, ``ref`` (no optimizer) and ``critic`` (``model_type="value"``) roles."""
+    """FSDP2 engine for the ``actor``, ``ref`` (no optimizer) and ``critic`` (``model_type="value"``) roles.
+
+    Subclasses change what is trained through the public methods under "extension points"
+    (docs/plugins/extension_points.md); the rest (sharding, optimizer, steps, checkpoints, weights) is shared.
+    """
 
     #: Batch fields ``train_batch`` needs (a subclass with another forward pass names its own).
     required_fields: tuple[str, ...] = _NEEDED
+    #: The section of the role config holding this engine's :class:`FSDPConfig`, as error messages name it
+    #: (``actor.fsdp.param_dtype``); a subclass registered under another name names its own.
+    config_section: str = "fsdp"
 
     def __init__(self, config: Any, *, role: str, model_type: str = "causal_lm", platform: Any = None) -> None:
         from polyrl.platforms import detect_platform
@@ -144,7 +156,7 @@ class FSDPEngine:
         self.fsdp: FSDPConfig = config.plugin_config if isinstance(config.plugin_config, FSDPConfig) else FSDPConfig()
         self.platform = platform or detect_platform()
         self.device = self.platform.current_device()
-        _ensure_process_group(self.platform.dist_backend)
+        ensure_process_group(self.platform.dist_backend)
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
         self.step = 0
         self.lora = config.model.lora.rank > 0
@@ -167,7 +179,33 @@ class FSDPEngine:
         """The world size of the role's worker group."""
         return self._world
 
-    def _build_model(self) -> None:
+    @property
+    def rank(self) -> int:
+        """This process's rank in the role's worker group (rank 0 writes what one rank writes)."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks in the role's worker group."""
+        return self._world
+
+    # ------------------------------------------------------------------ extension points (model building)
+    def check_options(self) -> None:
+        """Check this engine's options before the model loads; a ``ConfigError`` names the key
+        (``<role>.<config_section>.param_dtype``...)."""
+        section = f"{self.role}.{self.config_section}"
+        for key, value in (("param_dtype", self.fsdp.param_dtype), ("reduce_dtype", self.fsdp.reduce_dtype)):
+            torch_dtype(value, f"{section}.{key}")
+        check_choice(self.fsdp.lora_export, ("merged", "adapter"), f"{section}.lora_export")
+        check_choice(self.config.model.lora.sync, ("merged", "adapter"), f"{self.role}.model.lora.sync")
+
+    def load_model(self, dtype: torch.dtype) -> nn.Module:
+        """The model to train, in ``dtype`` on the CPU, with gradient checkpointing on when
+        ``model.gradient_checkpointing`` is; sets ``self.hf_config`` (what :meth:`export_hf` writes).
+
+        This engine: the transformers causal LM (or, for ``model_type="value"``, a token classifier with a
+        scalar head) at ``model.path``. The global seed is set (``<role>.seed``) before it is called.
+        """
         from transformers import AutoConfig
 
         mcfg = self.config.model
@@ -179,17 +217,11 @@ class FSDPEngine:
         if archs and not any(a.endswith(suffixes) for a in archs):
             raise ConfigError(f"{self.role}.model.path={mcfg.path}: {archs} is not a causal LM; the fsdp engine "
                               "trains causal LMs and value models built from them")
-        for key, value in (("param_dtype", self.fsdp.param_dtype), ("reduce_dtype", self.fsdp.reduce_dtype)):
-            _dtype(value, f"{self.role}.fsdp.{key}")
-        _choice(self.fsdp.lora_export, ("merged", "adapter"), f"{self.role}.fsdp.lora_export")
-        _choice(mcfg.lora.sync, ("merged", "adapter"), f"{self.role}.model.lora.sync")
         if self.config.use_remove_padding and mcfg.attn_implementation not in _PACKED_ATTENTION:
             raise ConfigError(f"{self.role}.use_remove_padding=true needs an attention that masks packed sequences "
                               f"({', '.join(sorted(_PACKED_ATTENTION))}); {self.role}.model.attn_implementation is "
                               f"{mcfg.attn_implementation!r}")
         self.hf_config = hf_config
-        dtype = _dtype(mcfg.dtype, f"{self.role}.model.dtype")
-        torch.manual_seed(self.config.seed)
         model = self._load_hf(path, hf_config, dtype, mcfg)
         hf_config.architectures = [type(model).__name__]  # what export_hf writes (a value model's own class)
         if mcfg.gradient_checkpointing:
@@ -197,14 +229,26 @@ class FSDPEngine:
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """The root module the engine shards and :meth:`forward_micro_batch` calls, around ``model`` (kept as
+        its ``model`` attribute, so parameter names map to the model's own). This engine: the backbone plus a
+        chunked LM head (or value head) on the predicting positions only."""
+        return _Head(model, self.model_type, max(1, self.config.logits_chunk_size))
+
+    def _build_model(self) -> None:
+        self.check_options()
+        dtype = torch_dtype(self.config.model.dtype, f"{self.role}.model.dtype")
+        torch.manual_seed(self.config.seed)
+        model = self.load_model(dtype)
         if self.lora:
-            model = self._apply_lora(model, mcfg.lora)
-        root = _Head(model, self.model_type, max(1, self.config.logits_chunk_size))
-        self._shard_root(root, model, dtype)
+            model = self.apply_lora(model, self.config.model.lora)
+        self._shard_root(self.wrap_model(model), model, dtype)
 
     def _shard_root(self, root: nn.Module, model: nn.Module, dtype: torch.dtype) -> None:
         """``self.module``: ``root`` fully_shard-ed (each of ``model``'s ``_no_split_modules`` layers, then the root)
-        on the device, or left whole on every rank when one rank holds a copy (shared with polyrl-diffusion)."""
+        on the device, or left whole on every rank when one rank holds a copy."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -212,13 +256,13 @@ class FSDPEngine:
         # One rank per shard and nothing FSDP-specific asked for: a plain module on every rank (DDP-like).
         # fully_shard over one rank would only add a copy-in/copy-out of every layer per pass.
         self.replicated = (shard_ranks == 1 and not self.fsdp.param_offload
-                           and _dtype(self.fsdp.param_dtype, "") == dtype)
+                           and torch_dtype(self.fsdp.param_dtype, "") == dtype)
         if self.replicated:
             self.module = root.to(self.device)
             return
         mesh = self._mesh(init_device_mesh, shard_ranks)
-        mp = MixedPrecisionPolicy(param_dtype=_dtype(self.fsdp.param_dtype, ""),
-                                  reduce_dtype=_dtype(self.fsdp.reduce_dtype, ""))
+        mp = MixedPrecisionPolicy(param_dtype=torch_dtype(self.fsdp.param_dtype, ""),
+                                  reduce_dtype=torch_dtype(self.fsdp.reduce_dtype, ""))
         kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": self.fsdp.reshard_after_forward}
         if self.fsdp.param_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -238,7 +282,8 @@ class FSDPEngine:
         if size == -1 or size >= self._world:
             return self._world
         if size < 1 or self._world % size:
-            raise ConfigError(f"{self.role}.fsdp.fsdp_size={size} must be -1 or divide the {self._world} ranks")
+            raise ConfigError(f"{self.role}.{self.config_section}.fsdp_size={size} must be -1 or divide the "
+                              f"{self._world} ranks")
         return size
 
     def _mesh(self, init_device_mesh: Any, shard_ranks: int) -> Any:
@@ -257,7 +302,7 @@ class FSDPEngine:
         """
         if self._world == 1:
             return
-        reduce_dtype = _dtype(self.fsdp.reduce_dtype, "")
+        reduce_dtype = torch_dtype(self.fsdp.reduce_dtype, "")
         params = [p for p in self.module.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
@@ -304,7 +349,10 @@ class FSDPEngine:
                 nn.init.zeros_(model.score.bias)
         return model
 
-    def _apply_lora(self, model: nn.Module, lora: Any) -> nn.Module:
+    def apply_lora(self, model: nn.Module, lora: Any) -> nn.Module:
+        """``model`` with a peft LoRA adapter of ``lora`` (``model.lora``: rank, alpha, dropout, target modules);
+        called when ``model.lora.rank > 0``. This engine: ``all-linear`` or the named modules; a critic's new
+        scalar head trains in full."""
         from peft import LoraConfig, get_peft_model
 
         targets = list(lora.target_modules)
@@ -329,10 +377,15 @@ class FSDPEngine:
                                            weight_decay=o.weight_decay, **impl)
         self.scheduler = build_lr_scheduler(self.optimizer, o, f"{self.role}.optim")
 
-    # ------------------------------------------------------------------ forward passes
-    def _forward(self, mb: TensorDict, temperature: float, compute_entropy: bool
-                 ) -> tuple[dict[str, torch.Tensor], TensorDict]:
-        """Run the model on ``mb`` (trimmed of all-padding columns); outputs are ``[b, R']`` on the device."""
+    # ------------------------------------------------------------------ extension points (forward passes)
+    def forward_micro_batch(self, mb: TensorDict, temperature: float, compute_entropy: bool
+                            ) -> tuple[dict[str, torch.Tensor], TensorDict]:
+        """Run the root module on micro-batch ``mb``: ``(outputs, micro-batch as the loss sees it)``. The outputs
+        are the ``model_output`` a loss gets in :meth:`train_batch` (and :meth:`infer_batch` collects).
+
+        This engine: ``mb`` trimmed of all-padding columns; ``log_probs``/``entropy`` (or ``values``)
+        ``[b, R']`` on the device, ``R'`` the trimmed response width.
+        """
         mb = _trim(mb)
         inputs = _model_inputs(mb, packed=self.config.use_remove_padding, shared_prompt=self._shared_prompt,
                                uniform=not self.replicated)
@@ -346,8 +399,11 @@ class FSDPEngine:
                for k, v in flat.items()}
         return out, mb
 
-    def _split(self, batch: TensorDict, dynamic: bool) -> list[torch.Tensor | None]:
-        """Row indices of each micro-batch; ``None`` entries pad this rank to the group's count."""
+    def split_micro_batches(self, batch: TensorDict, dynamic: bool) -> list[torch.Tensor | None]:
+        """Row indices of each micro-batch of ``batch``: ``micro_batch_size`` rows each, or with ``dynamic`` up
+        to ``max_token_len_per_gpu`` tokens each (first-fit decreasing). ``None`` entries pad this rank to the
+        largest count of any rank (every rank runs the same number of passes: they are collective); run
+        :meth:`padding_micro_batch` for them. Collective."""
         cfg = self.config
         size = batch.batch_size[0]
         if dynamic:
@@ -384,7 +440,7 @@ class FSDPEngine:
         return on_device.cpu()
 
     @staticmethod
-    def _padding_micro_batch(batch: TensorDict) -> TensorDict:
+    def padding_micro_batch(batch: TensorDict) -> TensorDict:
         """A one-row micro-batch that contributes nothing (zero response mask): keeps collectives in step."""
         dummy = batch[:1].clone()
         dummy["response_mask"] = torch.zeros_like(dummy["response_mask"])
@@ -402,11 +458,11 @@ class FSDPEngine:
         result = {k: torch.zeros(size, width, dtype=torch.float32) for k in keys}
         ctx = self.module.model.disable_adapter() if disable_adapter and self.lora else contextlib.nullcontext()
         with ctx:
-            for rows in self._split(batch, self.config.use_dynamic_bsz):
+            for rows in self.split_micro_batches(batch, self.config.use_dynamic_bsz):
                 if rows is None:
-                    self._forward(self._padding_micro_batch(batch), temperature, False)
+                    self.forward_micro_batch(self.padding_micro_batch(batch), temperature, False)
                     continue
-                out, trimmed = self._forward(batch[rows], temperature, compute_entropy)
+                out, trimmed = self.forward_micro_batch(batch[rows], temperature, compute_entropy)
                 for k in keys:
                     value = out[k].float().cpu()
                     result[k][rows, : value.shape[1]] = value
@@ -424,11 +480,11 @@ class FSDPEngine:
                                                dtype=torch.float64))
         scale = LossScale(dp_size=self._world, batch_num_tokens=int(totals[0]), global_batch_size=int(totals[1]))
         metrics: dict[str, float] = {}
-        splits = self._split(batch, self.config.use_dynamic_bsz)
+        splits = self.split_micro_batches(batch, self.config.use_dynamic_bsz)
         real = max(1, sum(rows is not None for rows in splits))
         for rows in splits:
-            mb = self._padding_micro_batch(batch) if rows is None else batch[rows]
-            out, trimmed = self._forward(mb, temperature, compute_entropy=self.model_type != "value")
+            mb = self.padding_micro_batch(batch) if rows is None else batch[rows]
+            out, trimmed = self.forward_micro_batch(mb, temperature, compute_entropy=self.model_type != "value")
             loss, m = loss_fn(out, trimmed.to(self.device), scale)
             loss.backward()
             if rows is not None:  # a padding micro-batch's metrics would dilute the mean
@@ -458,8 +514,10 @@ class FSDPEngine:
         return metrics
 
     # ------------------------------------------------------------------ weights
-    def _full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(hf_name, full tensor) one parameter at a time (collective); LoRA merged per module."""
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, full tensor)`` one parameter at a time, gathered from its shards (collective: every rank
+        iterates); LoRA merged per module. Names are the model's own (the root's ``model.`` and peft's prefixes
+        removed): HF names for this engine."""
         lora_mods = {}
         if self.lora:
             from peft.tuners.lora import LoraLayer
@@ -468,14 +526,14 @@ class FSDPEngine:
         for name, param in self.module.named_parameters():
             if ".lora_" in name or ".original_module." in name:  # peft's frozen copy of a fully trained module
                 continue
-            full = _full(param)
+            full = full_tensor(param)
             hf = _hf_name(name)
             if self.lora and name.endswith(".base_layer.weight"):
                 mod = lora_mods[name[: -len(".base_layer.weight")]]
                 full = full.clone()
                 for adapter in mod.active_adapters:
-                    a = _full(mod.lora_A[adapter].weight)
-                    b = _full(mod.lora_B[adapter].weight)
+                    a = full_tensor(mod.lora_A[adapter].weight)
+                    b = full_tensor(mod.lora_B[adapter].weight)
                     full += (b.float() @ a.float()).to(full.dtype) * mod.scaling[adapter]
             yield hf, full
 
@@ -483,7 +541,7 @@ class FSDPEngine:
         """The LoRA tensors alone, named as peft saves them (``base_model.model.<hf module>.lora_A.weight``)."""
         for name, param in self.module.named_parameters():
             if ".lora_" in name:
-                yield _adapter_name(name), _full(param)
+                yield _adapter_name(name), full_tensor(param)
 
     def weights_for_rollout(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """``(hf_name, full tensor)`` lists of about ``bucket_bytes``, one parameter gathered at a time.
@@ -491,7 +549,7 @@ class FSDPEngine:
         Collective: every rank iterates. LoRA weights are merged (``W + B A * scaling``) unless
         ``model.lora.sync`` is ``adapter``; then only the adapter's tensors come, in peft's names.
         """
-        source = self._adapter_params() if self.lora and self.config.model.lora.sync == "adapter" else self._full_params()
+        source = self._adapter_params() if self.lora and self.config.model.lora.sync == "adapter" else self.full_parameters()
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name, tensor in source:
@@ -519,35 +577,23 @@ class FSDPEngine:
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer, LR schedule, RNG and step into the directory ``path``, atomically.
 
-        Written to ``path.tmp-<id>`` (torch.distributed.checkpoint shards, per-rank extras, ``meta.json``)
-        and renamed into place by rank 0 after every rank finished, so a crash leaves the old checkpoint.
+        Every rank writes into a temporary folder (torch.distributed.checkpoint shards, per-rank extras,
+        ``meta.json``) that :func:`polyrl.checkpoint_io.atomic_checkpoint_dir` renames into place once all
+        ranks finished and the file manifest is written, so a crash or a full disk leaves the old checkpoint.
         """
         import torch.distributed.checkpoint as dcp
 
-        final = Path(path)
-        token = [uuid.uuid4().hex[:8] if self._rank == 0 else None]
-        dist.broadcast_object_list(token, src=0)
-        tmp = final.parent / f"{final.name}.tmp-{token[0]}"
-        state = self._dcp_state()
-        dcp.save(state, checkpoint_id=str(tmp))
-        # The device's generator through the platform (CUDA, NPU...; on CPU the same as "torch").
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-               "device": self.platform.rng_state(), "device_type": self.platform.device_type}
-        torch.save({"rng": rng, "scheduler": self.scheduler.state_dict() if self.scheduler else None},
-                   tmp / f"extra_rank{self._rank}.pt")
-        dist.barrier()
-        if self._rank == 0:
-            meta = {"world_size": self._world, "step": self.step, "role": self.role, "model_type": self.model_type,
-                    "fingerprint": self._fingerprint(), "format": "polyrl-fsdp-1"}
-            (tmp / "meta.json").write_text(json.dumps(meta))
-            old = None
-            if final.exists():
-                old = final.parent / f"{final.name}.old-{token[0]}"
-                os.replace(final, old)
-            os.replace(tmp, final)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        dist.barrier()
+        with atomic_checkpoint_dir(path) as tmp:
+            dcp.save(self._dcp_state(), checkpoint_id=str(tmp))
+            # The device's generator through the platform (CUDA, NPU...; on CPU the same as "torch").
+            rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                   "device": self.platform.rng_state(), "device_type": self.platform.device_type}
+            torch.save({"rng": rng, "scheduler": self.scheduler.state_dict() if self.scheduler else None},
+                       tmp / f"extra_rank{self._rank}.pt")
+            if self._rank == 0:
+                meta = {"world_size": self._world, "step": self.step, "role": self.role,
+                        "model_type": self.model_type, "fingerprint": self._fingerprint(), "format": "polyrl-fsdp-1"}
+                (tmp / "meta.json").write_text(json.dumps(meta))
 
     def load_checkpoint(self, path: str, *, model_only: bool = False) -> None:
         """Restore what :meth:`save_checkpoint` wrote; ``CheckpointError`` names a world-size or model mismatch.
@@ -562,7 +608,11 @@ class FSDPEngine:
         meta_file = folder / "meta.json"
         if not meta_file.exists():
             raise CheckpointError(f"{folder} is not an fsdp engine checkpoint (no meta.json)")
-        meta = json.loads(meta_file.read_text())
+        meta = load_json(meta_file)
+        if meta.get("format", "polyrl-fsdp-1") != "polyrl-fsdp-1":
+            raise CheckpointError(f"{folder} was written by another engine (format {meta.get('format')!r}, expected "
+                                  f"'polyrl-fsdp-1'); load it with the engine that wrote it, or export it to HF and "
+                                  f"set {self.role}.model.path to the export")
         if meta["world_size"] != self._world and not model_only:
             raise CheckpointError(f"checkpoint {folder} was written by {meta['world_size']} ranks; this {self.role} "
                                   f"group has {self._world}. Resume with the same trainer.n_workers.")
@@ -617,9 +667,9 @@ class FSDPEngine:
         out = Path(path)
         adapter = self.lora and self.fsdp.lora_export == "adapter"
         if adapter:  # what peft's own state dict holds: the LoRA tensors and any fully trained module (a critic's head)
-            source = ((n[len("model."):], _full(p)) for n, p in self.module.named_parameters() if p.requires_grad)
+            source = ((n[len("model."):], full_tensor(p)) for n, p in self.module.named_parameters() if p.requires_grad)
         else:
-            source = self._full_params()
+            source = self.full_parameters()
         tensors = {}
         for name, tensor in source:  # collective: every rank gathers, rank 0 keeps
             if self._rank == 0:
@@ -667,15 +717,6 @@ class FSDPEngine:
 # ---------------------------------------------------------------------------- helpers
 
 
-def _ensure_process_group(backend: str) -> None:
-    if dist.is_initialized():
-        return
-    from polyrl.distributed import free_port, init_distributed
-
-    init_distributed(backend, 0, 1, os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                     int(os.environ.get("MASTER_PORT", 0)) or free_port())
-
-
 def _fused_adam_devices() -> set[str]:
     """Device types with a fused AdamW kernel in this torch build."""
     try:
@@ -686,20 +727,8 @@ def _fused_adam_devices() -> set[str]:
         return {"cuda", "cpu"}
 
 
-def _dtype(name: str, key: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``; a ConfigError naming ``key`` for anything else."""
-    value = getattr(torch, str(name), None)
-    if not isinstance(value, torch.dtype):
-        raise ConfigError(f"{key}={name!r} is not a torch dtype; use float32, bfloat16 or float16")
-    return value
-
-
-def _choice(value: str, allowed: tuple[str, ...], key: str) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r}: choose one of {', '.join(allowed)}")
-
-
-def _full(param: torch.Tensor) -> torch.Tensor:
+def full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole tensor: gathered from its FSDP shards (collective) or, unsharded, its data."""
     return param.full_tensor() if hasattr(param, "full_tensor") else param.data
 
 

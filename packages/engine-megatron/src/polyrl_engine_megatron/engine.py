@@ -19,10 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
-import shutil
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +30,11 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from polyrl.batch import require_fields
+from polyrl.checkpoint_io import atomic_checkpoint_dir, load_json, load_tensors
+from polyrl.distributed import ensure_process_group
 from polyrl.errors import CheckpointError, ConfigError
 from polyrl.lr_schedules import build_lr_scheduler
 from polyrl.protocols import LossScale
-from polyrl.trainer.checkpoint import load_tensors
 from polyrl_engine_megatron.config import MegatronConfig
 
 logger = logging.getLogger(__name__)
@@ -200,7 +198,7 @@ class MegatronEngine:
         self.platform = platform or detect_platform()
         self.device = self.platform.current_device()
         self.step = 0
-        _ensure_process_group(self.platform.dist_backend)
+        ensure_process_group(self.platform.dist_backend)
         self.hf_config, self.megatron, _ = _check_role_config(config, role, dist.get_world_size())
         self._build_model()
         self.optimizer = None
@@ -542,43 +540,31 @@ class MegatronEngine:
         """Model and optimizer (megatron ``dist_checkpointing``, one global tensor per parameter), LR schedule, RNG
         and step into the directory ``path``, atomically.
 
-        Every rank writes into ``path.tmp-<id>``; when all are done, global rank 0 writes ``meta.json`` and
-        renames the folder into place, so a crash mid-save leaves the previous checkpoint whole. The tensors are
-        stored by their global shape, so the checkpoint loads into another TP/PP/DP layout of the same model.
+        Every rank writes into a temporary folder that :func:`polyrl.checkpoint_io.atomic_checkpoint_dir` renames
+        into place once all ranks finished and the file manifest is written, so a crash or a full disk mid-save
+        leaves the previous checkpoint whole. The tensors are stored by their global shape, so the checkpoint
+        loads into another TP/PP/DP layout of the same model.
         """
         from megatron.core import dist_checkpointing, tensor_parallel
 
-        final = Path(path)
+        from polyrl_engine_megatron.checkpoint_strategies import sync_save_strategy
+
         rank = dist.get_rank()
-        token = [uuid.uuid4().hex[:8] if rank == 0 else None]
-        dist.broadcast_object_list(token, src=0)
-        tmp = final.parent / f"{final.name}.tmp-{token[0]}"
-        if rank == 0:
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        dist_checkpointing.save(self._sharded_state(is_loading=False), str(tmp), sharded_strategy=_sync_save_strategy())
-        extras = {"rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                          "device": self.platform.rng_state(), "device_type": self.platform.device_type,
-                          "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()},
-                  "schedulers": [s.state_dict() for s in self.schedulers]}
-        torch.save(extras, tmp / f"extra_rank{rank}.pt")
-        dist.barrier()
-        if rank == 0:
-            p = self.parallel
-            meta = {"format": CHECKPOINT_FORMAT, "step": self.step, "role": self.role, "model_type": self.model_type,
-                    "world_size": dist.get_world_size(), "tensor_model_parallel_size": p.tp,
-                    "pipeline_model_parallel_size": p.pp, "data_parallel_size": p.dp,
-                    "use_distributed_optimizer": self.megatron.use_distributed_optimizer,
-                    "has_optimizer": self.optimizer is not None, "fingerprint": self._fingerprint()}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            old = None
-            if final.exists():
-                old = final.parent / f"{final.name}.old-{token[0]}"
-                os.replace(final, old)
-            os.replace(tmp, final)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        dist.barrier()
+        with atomic_checkpoint_dir(path) as tmp:
+            dist_checkpointing.save(self._sharded_state(is_loading=False), str(tmp), sharded_strategy=sync_save_strategy())
+            extras = {"rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                              "device": self.platform.rng_state(), "device_type": self.platform.device_type,
+                              "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()},
+                      "schedulers": [s.state_dict() for s in self.schedulers]}
+            torch.save(extras, tmp / f"extra_rank{rank}.pt")
+            if rank == 0:
+                p = self.parallel
+                meta = {"format": CHECKPOINT_FORMAT, "step": self.step, "role": self.role,
+                        "model_type": self.model_type, "world_size": dist.get_world_size(),
+                        "tensor_model_parallel_size": p.tp, "pipeline_model_parallel_size": p.pp,
+                        "data_parallel_size": p.dp, "use_distributed_optimizer": self.megatron.use_distributed_optimizer,
+                        "has_optimizer": self.optimizer is not None, "fingerprint": self._fingerprint()}
+                (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote, into this engine's layout (which may differ from the saved one).
@@ -589,11 +575,13 @@ class MegatronEngine:
         """
         from megatron.core import dist_checkpointing, tensor_parallel
 
+        from polyrl_engine_megatron.checkpoint_strategies import safe_load_strategies
+
         folder = Path(path)
         meta_file = folder / "meta.json"
         if not meta_file.exists():
             raise CheckpointError(f"{folder} is not a megatron engine checkpoint (no meta.json)")
-        meta = json.loads(meta_file.read_text())
+        meta = load_json(meta_file)
         if meta.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(f"{folder} was written by another engine (format {meta.get('format')!r}, expected "
                                   f"{CHECKPOINT_FORMAT!r}); load it with the engine that wrote it, or export it to HF "
@@ -608,8 +596,11 @@ class MegatronEngine:
             raise CheckpointError(f"checkpoint {folder} was written with megatron.use_distributed_optimizer="
                                   f"{meta.get('use_distributed_optimizer')}; {self.role}.megatron.use_distributed_optimizer"
                                   f" is {self.megatron.use_distributed_optimizer}. Resume with the same setting")
-        sharded = self._sharded_state(is_loading=True)
-        state = dist_checkpointing.load(sharded, str(folder))
+        sharded = _without_extra_state(self._sharded_state(is_loading=True))
+        # megatron-core's default strategies unpickle the metadata, common.pt and sharded objects unrestricted
+        sharded_strategy, common_strategy = safe_load_strategies()
+        state = dist_checkpointing.load(sharded, str(folder), sharded_strategy=sharded_strategy,
+                                        common_strategy=common_strategy)
         self.inner.load_state_dict(state["model"], strict=False)
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -701,34 +692,10 @@ class MegatronEngine:
         self.platform.synchronize()
 
 
-def _sync_save_strategy() -> Any:
-    """megatron's ``torch_dist`` format, written synchronously by torch's plain ``FileSystemWriter``.
-
-    megatron's default writer forks writer processes and spawns a multiprocessing manager per save, which
-    re-imports the main module of the process (a Ray worker, a test runner); the files are the same.
-    """
-    import torch.distributed.checkpoint as dcp
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner,
-        TorchDistSaveShardedStrategy,
-        _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict,
-    )
-
-    class _SyncTorchDistSave(TorchDistSaveShardedStrategy):
-        def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
-            state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-            dcp.save(mcore_to_pyt_state_dict(state, False),
-                     storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
-                     planner=MCoreSavePlanner(flatten_state_dict=False))
-
-    return _SyncTorchDistSave("torch_dist", 1)
-
-
-def _ensure_process_group(backend: str) -> None:
-    if dist.is_initialized():
-        return
-    from polyrl.distributed import free_port, init_distributed
-
-    init_distributed(backend, 0, 1, os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                     int(os.environ.get("MASTER_PORT", 0)) or free_port())
+def _without_extra_state(sharded: dict[str, Any]) -> dict[str, Any]:
+    """The model's sharded state without ``_extra_state`` entries (Transformer Engine's FP8 metadata, which TE
+    unpickles in ``set_extra_state``): polyrl trains without FP8 state, so nothing of it is read back."""
+    model = sharded.get("model")
+    if isinstance(model, dict):
+        sharded["model"] = {k: v for k, v in model.items() if not k.endswith("_extra_state")}
+    return sharded

@@ -40,9 +40,6 @@ class NPUPlatform:
     device_type = "npu"
     dist_backend = "hccl"
     weight_sync_backend = "hccl"
-    # No cross-process device-memory handles are used on Ascend: a colocated rollout (vllm-ascend in the
-    # worker's process) loads the actor's tensors in-process; a split one receives them over HCCL or the host.
-    weight_ipc = "none"
     visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
     ray_resource = "NPU"
 

@@ -24,7 +24,6 @@ class ROCmPlatform(CUDAPlatform):
     device_type = "cuda"  # ROCm builds of torch name HIP devices "cuda"
     dist_backend = "nccl"  # RCCL, under torch's nccl backend name
     weight_sync_backend = "nccl"
-    weight_ipc = "cuda_ipc"  # torch's CUDA IPC reductions are HIP IPC on ROCm
     # Ray's AMD accelerator manager sets HIP_VISIBLE_DEVICES for actors that ask for GPU (and refuses
     # to start where only ROCR_VISIBLE_DEVICES is set).
     visible_devices_env = "HIP_VISIBLE_DEVICES"

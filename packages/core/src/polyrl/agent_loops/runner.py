@@ -72,6 +72,7 @@ class BatchingClient:
         budget left) get the largest of them, so a rollout that batches equal sampling params batches them
         together; results are cut back to each request's own budget. Only where the rollout states its
         ``max_model_len`` and every merged request still fits it."""
+        # declared on Rollout (None: no limit); a rollout written before it was declared may not have it
         limit = getattr(self.rollout, "max_model_len", None)
         if not isinstance(limit, int) or limit <= 0 or len(requests) < 2:
             return requests
@@ -119,7 +120,10 @@ def run_agent_loops(samples: Sequence[Mapping[str, Any]], sampling_params: Sampl
 
 
 #: Per-sample agent statistics collated into ``[B]`` tensor fields (0 for loops that do not report them).
-AGENT_FIELDS = ("tool_calls", "tool_errors", "tool_time_s", "tool_reward", "truncated")
+#: ``tools_hung`` is the number of synchronous-tool threads stuck in calls that timed out, in the process
+#: that ran the loop, when the trajectory ended (see :class:`polyrl.tools.function.ToolThreads`).
+AGENT_FIELDS = ("tool_calls", "tool_errors", "tool_time_s", "tool_reward", "truncated", "parse_errors",
+                "tool_timeouts", "tools_hung")
 
 
 def _turn_boundary_cut(mask: Sequence[int], limit: int) -> int:
@@ -221,7 +225,8 @@ def _add_extras(batch: TensorDict, outputs: Sequence[AgentLoopOutput]) -> None:
 
 
 def agent_metrics(batch: TensorDict) -> dict[str, float]:
-    """``agent/*`` metrics of a collated batch: turns, tool calls / errors / time, tool use, truncations."""
+    """``agent/*`` metrics of a collated batch: turns, tool calls / errors / time, tool use, truncations,
+    malformed calls (``parse_errors``), timed-out calls, and synchronous-tool threads hanging."""
     if "tool_calls" not in batch.keys():
         return {}
     calls = batch["tool_calls"].float()
@@ -237,6 +242,9 @@ def agent_metrics(batch: TensorDict) -> dict[str, float]:
         "agent/tool_time_s/mean": float(batch["tool_time_s"].mean()),
         "agent/tool_reward/mean": float(batch["tool_reward"].mean()),
         "agent/truncated": float(batch["truncated"].mean()),
+        **({"agent/parse_errors/total": float(batch["parse_errors"].sum()),
+            "agent/tool_timeouts/total": float(batch["tool_timeouts"].sum()),
+            "agent/tools_hung": float(batch["tools_hung"].max())} if "tools_hung" in batch.keys() else {}),
     }
 
 

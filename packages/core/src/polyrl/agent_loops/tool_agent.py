@@ -6,32 +6,37 @@ again... until the model answers without calling a tool, ``agent.max_turns``, or
 ``data.max_response_length``.
 
 Token exactness: the model's tokens are kept exactly as sampled (ids and log-probs;
-``response_mask`` 1). Only the *appended* tool messages are tokenized, as the delta
-between two chat-template renderings of a fixed stub conversation (with and without
-the tool messages), so the sampled text is never decoded and re-tokenized (which can
-give other ids: ``"<|end|>"`` sampled as characters re-tokenizes to one special token).
+``response_mask`` 1). Only the *appended* tool messages are tokenized, as the text the
+chat template puts after an assistant turn when tool messages follow it
+(:mod:`polyrl.agent_loops.tool_messages`), so the sampled text is never decoded and
+re-tokenized (which can give other ids: ``"<|end|>"`` sampled as characters re-tokenizes
+to one special token), and tool output is data: it never becomes control tokens.
 Tool / template tokens get ``response_mask`` 0 and log-prob 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
+import math
+import numbers
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from polyrl.errors import ConfigError, DataError
+from polyrl.agent_loops.tool_messages import ChatTemplateError, ToolTurnRenderer
+from polyrl.errors import DataError
 from polyrl.protocols import AgentLoopOutput, GenerationClient, GenerationRequest, SamplingParams, ToolResult
+from polyrl.tools.function import TOOL_EXECUTOR, ToolError
+from polyrl.tools.parsers import ParsedTurn
 
 logger = logging.getLogger(__name__)
 
-_STUB_USER = "polyrl-stub-user"
-_STUB_ASSISTANT = "polyrl-stub-assistant"
+__all__ = ["ChatTemplateError", "ToolAgentLoop"]
 
-
-class ChatTemplateError(ConfigError):
-    """The tokenizer's chat template cannot render what ``tool_agent`` appends."""
+_CALL_ID = re.compile(r"^[A-Za-z0-9]{9}$")
 
 
 class ToolAgentLoop:
@@ -54,7 +59,8 @@ class ToolAgentLoop:
         self.config = config if config is not None else AgentConfig()
         self.tools = dict(tools or {})
         self._parser = parser
-        self._template_checked = False
+        self._parser_takes_tools: bool | None = None
+        self.renderer = ToolTurnRenderer(tokenizer)
         self.max_prompt_length = max_prompt_length
 
     # ------------------------------------------------------------------ set-up
@@ -67,45 +73,26 @@ class ToolAgentLoop:
             self._parser = get_plugin_manager().get("tool_parser", self.config.tool_parser)()
         return self._parser
 
-    def _render(self, messages: list[dict], *, generation_prompt: bool, tools: Any = None) -> str:
-        kwargs = {"tools": tools} if tools else {}
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
-                                                  **kwargs)
-
     def _check_template(self) -> None:
-        """Fail once, clearly, when the chat template has no tool role or is not prefix-stable."""
-        if self._template_checked:
-            return
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ChatTemplateError("tool_agent needs a tokenizer with a chat template (tokenizer.chat_template is "
-                                    "empty); set one in tokenizer_config.json")
-        probe = "polyrl-probe-tool-output"
-        try:
-            text = self._tool_delta_text([{"role": "tool", "content": probe}], None)
-        except ChatTemplateError:
-            raise
-        except Exception as exc:  # jinja raises for roles a template does not know
-            raise ChatTemplateError(f"the tokenizer's chat template cannot render a 'tool' message: {exc}. Use a "
-                                    "template with a tool role (docs/agents.md)") from exc
-        if probe not in text:
-            raise ChatTemplateError("the tokenizer's chat template drops 'tool' messages (no tool role); use a "
-                                    "template that renders {'role': 'tool'} (docs/agents.md)")
-        self._template_checked = True
+        """Fail once, clearly, when the chat template cannot render tool messages (no tool role...)."""
+        self.renderer.check()
 
-    def _tool_delta_text(self, messages: list[dict], sampled_end: str | None) -> str:
-        """The text the chat template puts after an assistant turn's content for ``messages``, up to and
-        including the next generation prompt, minus what the model already sampled (``sampled_end``, e.g.
-        the EOS token that closed the turn)."""
-        stub = [{"role": "user", "content": _STUB_USER}, {"role": "assistant", "content": _STUB_ASSISTANT}]
-        before = self._render(stub, generation_prompt=False)
-        after = self._render(stub + messages, generation_prompt=True)
-        if not after.startswith(before):
-            raise ChatTemplateError("the chat template is not prefix-stable: rendering more messages changed the "
-                                    "text of earlier ones, so appended turns cannot be tokenized as a delta")
-        end_of_turn = before[before.rindex(_STUB_ASSISTANT) + len(_STUB_ASSISTANT):]
-        if sampled_end and end_of_turn.startswith(sampled_end):
-            end_of_turn = end_of_turn[len(sampled_end):]
-        return end_of_turn + after[len(before):]
+    def _parse(self, text: str, allowed: list[str]) -> Any:
+        """The turn's calls; a parser that raises on what the model wrote gives a malformed turn instead."""
+        parser = self.parser
+        try:
+            if self._parser_takes_tools is None:
+                try:
+                    self._parser_takes_tools = "tools" in inspect.signature(parser.parse).parameters
+                except (TypeError, ValueError):
+                    self._parser_takes_tools = False
+            if self._parser_takes_tools:
+                return parser.parse(text, tools={n: self.tools[n].schema for n in allowed})
+            return parser.parse(text)
+        except Exception as exc:  # nothing a model writes may end a run
+            logger.debug("tool parser %s raised on a model turn", type(parser).__name__, exc_info=True)
+            message = f"the tool calls could not be parsed: {type(exc).__name__}: {str(exc)[:200]}"
+            return ParsedTurn(text.strip(), [], [message], [message])
 
     def _prompt_ids(self, sample: Mapping[str, Any], allowed: list[str]) -> list[int]:
         if self.config.tools_in_prompt and allowed and sample.get("prompt") and not isinstance(sample["prompt"], str):
@@ -157,7 +144,8 @@ class ToolAgentLoop:
         response: list[int] = []
         mask: list[int] = []
         logps: list[float] = []
-        stats = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_time_s": 0.0, "parse_errors": 0.0}
+        stats = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_time_s": 0.0, "parse_errors": 0.0,
+                 "tool_timeouts": 0.0}
         rewards: list[float] = []
         turns = 0
         finish = "stop"
@@ -185,15 +173,18 @@ class ToolAgentLoop:
             if result.finish_reason != "stop":
                 finish = result.finish_reason  # cut inside the turn by the length budget
                 break
-            parsed = self.parser.parse(self.tokenizer.decode(ids, skip_special_tokens=True))
+            parsed = self._parse(self.tokenizer.decode(ids, skip_special_tokens=True), allowed)
             if not parsed.has_calls:
                 break  # the model answered
             if turns >= cfg.max_turns:
                 finish = "max_turns"
                 break
-            messages = await self._run_calls(parsed, allowed, sample, stats, rewards)
-            sampled_end = self.tokenizer.decode([ids[-1]]) if ids and ids[-1] in stop_ids else None
-            delta = self.tokenizer.encode(self._tool_delta_text(messages, sampled_end), add_special_tokens=False)
+            messages = await self._run_calls(parsed, allowed, sample, stats, rewards, turns)
+            sampled_end: list[str] = []
+            if ids and ids[-1] in stop_ids:  # the end-of-turn token the model sampled first, then the others
+                sampled_end = [self.tokenizer.decode([ids[-1]])]
+                sampled_end += [self.tokenizer.decode([t]) for t in sorted(stop_ids - {ids[-1]})]
+            delta = self.renderer.delta_ids(messages, sampled_end)
             if len(response) + len(delta) >= budget:
                 finish = "length"  # no room for the tool messages and another turn: end at this turn's boundary
                 break
@@ -201,56 +192,72 @@ class ToolAgentLoop:
             mask += [0] * len(delta)
             logps += [0.0] * len(delta)
         metrics = dict(stats, turns=float(turns), tool_reward=float(sum(rewards)),
-                       truncated=float(finish in ("length", "max_turns")))
+                       truncated=float(finish in ("length", "max_turns")), tools_hung=float(TOOL_EXECUTOR.hung))
         return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=response, response_mask=mask, log_probs=logps,
                                num_turns=turns, finish_reason=finish, metrics=metrics)
 
     async def _run_calls(self, parsed: Any, allowed: list[str], sample: Mapping[str, Any], stats: dict[str, float],
-                         rewards: list[float]) -> list[dict]:
-        """Run a turn's calls concurrently; every call (and every malformed one) becomes one tool message."""
+                         rewards: list[float], turn: int) -> list[dict]:
+        """Run a turn's calls concurrently; every call (and every malformed one) becomes one tool message,
+        in the order the model wrote them."""
         cfg = self.config
-        calls = parsed.calls[: cfg.max_parallel_calls]
-        outcomes = await asyncio.gather(*[self._call_one(c, allowed, sample) for c in calls])
-        messages = []
-        for text, ok, seconds, reward in outcomes:
+        items = parsed.in_order() if hasattr(parsed, "in_order") else [*parsed.calls, *parsed.errors]
+        texts: list[str | None] = [None] * len(items)
+        names: list[str] = ["error"] * len(items)
+        ids: list[str | None] = [None] * len(items)
+        to_run: list[tuple[int, Any]] = []
+        for i, item in enumerate(items):
             stats["tool_calls"] += 1
+            if isinstance(item, str):  # a malformed call is an attempted call that failed
+                stats["parse_errors"] += 1
+                stats["tool_errors"] += 1
+                texts[i] = f"Error: {item}"
+                continue
+            # the model's text never reaches the message's name (only content is rendered as data)
+            names[i] = item.name if isinstance(getattr(item, "name", None), str) and item.name in allowed else "error"
+            ids[i] = getattr(item, "id", None)
+            if len(to_run) < cfg.max_parallel_calls:
+                to_run.append((i, item))
+            else:
+                stats["tool_errors"] += 1
+                texts[i] = (f"Error: at most {cfg.max_parallel_calls} tool calls per turn; '{names[i]}' was not run.")
+        outcomes = await asyncio.gather(*[self._call_one(c, allowed, sample) for _, c in to_run])
+        for (i, call), (text, ok, seconds, reward, timed_out) in zip(to_run, outcomes):
             stats["tool_time_s"] += seconds
             stats["tool_errors"] += 0.0 if ok else 1.0
+            stats["tool_timeouts"] += float(timed_out)
             if reward is not None:
-                rewards.append(float(reward))
-            messages.append({"role": "tool", "content": self._clip(text)})
-        for extra in parsed.calls[cfg.max_parallel_calls:]:
-            stats["tool_calls"] += 1
-            stats["tool_errors"] += 1
-            messages.append({"role": "tool", "content": f"Error: at most {cfg.max_parallel_calls} tool calls per turn; "
-                                                        f"'{extra.name}' was not run."})
-        for err in parsed.errors:  # a malformed call is an attempted call that failed
-            stats["parse_errors"] += 1
-            stats["tool_calls"] += 1
-            stats["tool_errors"] += 1
-            messages.append({"role": "tool", "content": f"Error: {err}"})
-        return messages
+                rewards.append(_checked_reward(reward, call.name))
+            texts[i] = text
+        return [{"role": "tool", "content": self._clip(text or ""), "name": name,
+                 "tool_call_id": call_id if isinstance(call_id, str) and _CALL_ID.match(call_id)
+                 else f"call{turn % 100:02d}{i % 1000:03d}"}
+                for i, (text, name, call_id) in enumerate(zip(texts, names, ids))]
 
     async def _call_one(self, call: Any, allowed: list[str], sample: Mapping[str, Any]
-                        ) -> tuple[str, bool, float, float | None]:
-        """``(message, ok, seconds, reward)`` for one call; a failing tool is a message, never an exception."""
+                        ) -> tuple[str, bool, float, Any, bool]:
+        """``(message, ok, seconds, reward, timed_out)`` for one call; a failing tool is a message, never an
+        exception (except a tool's invalid reward: a bug of the tool, see :func:`_checked_reward`)."""
         start = time.perf_counter()
         if call.name not in allowed:
-            return (f"Error: unknown tool '{call.name}'; available: {', '.join(allowed) or '(none)'}", False, 0.0, None)
+            return (f"Error: unknown tool '{call.name}'; available: {', '.join(allowed) or '(none)'}", False, 0.0,
+                    None, False)
         tool = self.tools[call.name]
+        timed_out = False
         try:
             result = await asyncio.wait_for(tool.execute(dict(call.arguments), sample), self.config.tool_timeout_s)
             if not isinstance(result, ToolResult):
                 from polyrl.tools.function import to_tool_result
 
                 result = to_tool_result(result, call.name)
-            return result.text, True, time.perf_counter() - start, result.reward
+            return result.text, True, time.perf_counter() - start, result.reward, False
         except asyncio.TimeoutError:
+            timed_out = True
             msg = f"Error: tool '{call.name}' timed out after {self.config.tool_timeout_s:g}s"
         except Exception as exc:  # a tool's failure is information for the model, not a crash of the step
             logger.debug("tool %s failed", call.name, exc_info=True)
             msg = f"Error: {type(exc).__name__}: {exc}"
-        return msg, False, time.perf_counter() - start, None
+        return msg, False, time.perf_counter() - start, None, timed_out
 
     def _clip(self, text: str) -> str:
         limit = self.config.max_tool_response_length
@@ -258,6 +265,16 @@ class ToolAgentLoop:
             half = max(1, (limit - 5) // 2)
             return text[:half] + " ... " + text[-half:]
         return text
+
+
+def _checked_reward(reward: Any, tool: str) -> float:
+    """A tool's ``ToolResult.reward`` as a float; :class:`~polyrl.tools.function.ToolError` naming the tool and
+    the value when it is not a finite number (a NaN or a string would otherwise surface later as a broken
+    score, blamed on the reward function)."""
+    if isinstance(reward, numbers.Real) and math.isfinite(float(reward)):
+        return float(reward)
+    raise ToolError(f"tool '{tool}' returned ToolResult(reward={reward!r}) ({type(reward).__name__}): a tool's reward "
+                    "must be a finite number (or None for no reward); fix the tool")
 
 
 def _turn_seed(seed: int | None, turn: int) -> int | None:

@@ -36,16 +36,15 @@ if TYPE_CHECKING:
         compute_rloo_outcome_advantage,
         compute_rloo_vectorized_outcome_advantage,
     )
-    from polyrl.algorithms.core import (
+    from polyrl.algorithms.aggregation import agg_loss
+    from polyrl.algorithms.kl import (
         AdaptiveKLController,
         FixedKLController,
-        agg_loss,
         apply_kl_penalty,
-        compute_entropy_loss,
-        compute_value_loss,
         get_kl_controller,
         kl_penalty,
     )
+    from polyrl.algorithms.loss_terms import compute_entropy_loss, compute_value_loss
     from polyrl.algorithms.policy_losses import (
         compute_policy_loss_bypass_mode,
         compute_policy_loss_cispo,
@@ -71,13 +70,15 @@ if TYPE_CHECKING:
         masked_var,
         masked_whiten,
     )
+    from polyrl.protocols import PolicyLoss
 
 #: public name -> module, imported on first use (PEP 562) so that loading ``polyrl.algorithms.hooks``
 #: (``polyrl plugins``) does not import torch
 _LAZY: dict[str, str] = {
-    **dict.fromkeys(("AdaptiveKLController", "FixedKLController", "agg_loss", "apply_kl_penalty",
-                     "compute_entropy_loss", "compute_value_loss", "get_kl_controller", "kl_penalty"),
-                    "polyrl.algorithms.core"),
+    "agg_loss": "polyrl.algorithms.aggregation",
+    **dict.fromkeys(("AdaptiveKLController", "FixedKLController", "apply_kl_penalty", "get_kl_controller", "kl_penalty"),
+                    "polyrl.algorithms.kl"),
+    **dict.fromkeys(("compute_entropy_loss", "compute_value_loss"), "polyrl.algorithms.loss_terms"),
     **dict.fromkeys(("clip_by_value", "entropy_from_logits", "logprobs_from_logits", "masked_mean", "masked_sum",
                      "masked_var", "masked_whiten"), "polyrl.algorithms.torch_functional"),
     **dict.fromkeys(("compute_gae_advantage_return", "compute_gdpo_outcome_advantage",
@@ -148,12 +149,67 @@ def get_adv_estimator_fn(name_or_enum: str | Enum) -> Any:
     return _lookup("advantage_estimator", name_or_enum)
 
 
-def get_policy_loss_fn(name: str) -> Any:
-    """The policy loss registered as ``name`` (``vanilla``, ``gspo``, a plugin's own...).
+def get_policy_loss_fn(name: str) -> PolicyLoss:
+    """The policy loss registered as ``name`` (``vanilla``, ``gspo``, a plugin's own...), callable with every
+    argument :class:`polyrl.protocols.PolicyLoss` declares (see :func:`as_policy_loss`).
 
     An unknown name raises :class:`UnknownAlgorithmError` (a ``ValueError``) listing the registered ones.
     """
-    return _lookup("policy_loss", name)
+    return as_policy_loss(_lookup("policy_loss", name))
+
+
+#: The keywords :class:`polyrl.protocols.PolicyLoss` declares beyond verl's six arguments.
+POLICY_LOSS_KEYWORDS = ("rollout_log_probs", "loss_scale", "rollout_is_weights")
+
+_adapted: dict[Any, Any] = {}
+
+
+def as_policy_loss(fn: Any) -> PolicyLoss:
+    """``fn`` as a :class:`~polyrl.protocols.PolicyLoss`: itself when its signature takes every keyword of
+    :data:`POLICY_LOSS_KEYWORDS` (or ``**kwargs``); otherwise, once per function, a wrapper that takes them all
+    and passes ``fn`` those it declares and that are not ``None`` (a loss written for verl declares
+    ``rollout_log_probs`` or ``rollout_is_weights`` and reads the global counts from ``config``)."""
+    try:
+        return _adapted[fn]
+    except (KeyError, TypeError):  # not adapted yet (TypeError: an unhashable callable, adapted each time)
+        pass
+    takes = _declared_keywords(fn)
+    adapted = fn if takes == set(POLICY_LOSS_KEYWORDS) else _keyword_filter(fn, takes)
+    try:
+        _adapted[fn] = adapted
+    except TypeError:
+        pass
+    return adapted
+
+
+def _keyword_filter(fn: Any, takes: set[str]) -> Any:
+    import functools
+
+    @functools.wraps(fn)
+    def policy_loss(old_log_prob: Any, log_prob: Any, advantages: Any, response_mask: Any,
+                    loss_agg_mode: str = "token-mean", config: Any = None, rollout_log_probs: Any = None, *,
+                    loss_scale: Any = None, rollout_is_weights: Any = None) -> Any:
+        given = {"rollout_log_probs": rollout_log_probs, "loss_scale": loss_scale,
+                 "rollout_is_weights": rollout_is_weights}
+        return fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                  **{k: v for k, v in given.items() if k in takes and v is not None})
+
+    del policy_loss.__wrapped__  # its own signature is the protocol's, not fn's
+    policy_loss.__polyrl_adapts__ = fn  # type: ignore[attr-defined]
+    return policy_loss
+
+
+def _declared_keywords(fn: Any) -> set[str]:
+    """The keywords of :data:`POLICY_LOSS_KEYWORDS` that ``fn`` accepts (all of them for ``**kwargs``)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: give it verl's six only
+        return set()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return set(POLICY_LOSS_KEYWORDS)
+    return {p.name for p in params if p.name in POLICY_LOSS_KEYWORDS and p.kind is not inspect.Parameter.POSITIONAL_ONLY}
 
 
 def compute_advantage(name: str, **kwargs: Any) -> tuple[Any, Any]:
@@ -162,12 +218,14 @@ def compute_advantage(name: str, **kwargs: Any) -> tuple[Any, Any]:
 
 
 __all__ = [
+    "POLICY_LOSS_KEYWORDS",
     "AdaptiveKLController",
     "AdvantageEstimator",
     "FixedKLController",
     "UnknownAlgorithmError",
     "agg_loss",
     "apply_kl_penalty",
+    "as_policy_loss",
     "clip_by_value",
     "compute_advantage",
     "compute_entropy_loss",

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from polyrl.algorithms.core import cfg_get, check_finite, check_nonempty_mask, check_same_shape
+from polyrl.algorithms.checks import cfg_get, check_finite, check_nonempty_mask, check_same_shape
 from polyrl.algorithms.torch_functional import masked_select_zero, masked_whiten
 
 EPS = 1e-6

@@ -22,14 +22,8 @@ from typing import Any
 
 import torch
 
-from polyrl.algorithms.core import (
-    agg_loss,
-    cfg_get,
-    check_finite,
-    check_nonempty_mask,
-    check_same_shape,
-    resolve_loss_scale,
-)
+from polyrl.algorithms.aggregation import agg_loss, resolve_loss_scale
+from polyrl.algorithms.checks import cfg_get, check_finite, check_nonempty_mask, check_same_shape
 from polyrl.algorithms.torch_functional import masked_mean, masked_select_zero
 from polyrl.protocols import LossScale
 

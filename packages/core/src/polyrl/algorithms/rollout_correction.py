@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from polyrl.algorithms.core import cfg_get, check_same_shape
+from polyrl.algorithms.checks import cfg_get, check_same_shape
 from polyrl.algorithms.torch_functional import masked_mean, masked_select_zero, masked_sum
 
 __all__ = [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -189,12 +190,53 @@ def from_dict(schema: type, raw: Mapping, origins: Mapping[str, str] | None = No
     origins = dict(origins or {})
     raw = _copy(raw)
     _share_model_block(schema, raw)
+    env_keys = _env_interpolations(raw, "")
     plugin_blocks = _pop_plugin_blocks(schema, raw)
     config = build(schema, raw, origins)
     check_values(config, origins)
     for section, (name, block) in plugin_blocks.items():
         getattr(config, section).plugin_config = _plugin_config(section, name, block, origins, plugins)
+        plugin = name.partition(".")[2]  # the block ``actor.fsdp`` lives on as ``actor.plugin_config``
+        env_keys = {(f"{section}.plugin_config.{k[len(section) + len(plugin) + 2:]}"
+                     if k.startswith(f"{section}.{plugin}.") else k): v for k, v in env_keys.items()}
+    if env_keys:
+        object.__setattr__(config, ENV_INTERPOLATIONS, env_keys)
     return config
+
+
+#: Attribute of a loaded config holding ``{dotted key: "${oc.env:...}" text}`` for values read from the environment.
+ENV_INTERPOLATIONS = "_polyrl_env_interpolations"
+
+
+def _env_interpolations(node: Any, prefix: str) -> dict[str, str]:
+    """Dotted keys whose raw value reads the environment (``${oc.env:NAME}``), with that text."""
+    found: dict[str, str] = {}
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            found.update(_env_interpolations(v, f"{prefix}{k}."))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            found.update(_env_interpolations(v, f"{prefix}{i}."))
+    elif isinstance(node, str) and "${oc.env:" in node.replace(" ", ""):
+        found[prefix[:-1]] = node
+    return found
+
+
+def _with_env_text(data: dict, config: Any) -> dict:
+    """``data`` (a plain dict of ``config``) with every value read from the environment put back as its
+    ``${oc.env:...}`` text, so what a run records holds no secret and still resolves when loaded again."""
+    for key, text in getattr(config, ENV_INTERPOLATIONS, {}).items():
+        *parents, leaf = key.split(".")
+        node: Any = data
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node.get(part) if isinstance(node, dict) else None
+            if node is None:
+                break
+        if isinstance(node, dict) and leaf in node:
+            node[leaf] = text
+        elif isinstance(node, list) and leaf.isdigit() and int(leaf) < len(node):
+            node[int(leaf)] = text
+    return data
 
 
 def check_values(config: Any, origins: Mapping[str, str] | None = None) -> None:
@@ -211,6 +253,8 @@ def check_values(config: Any, origins: Mapping[str, str] | None = None) -> None:
                 break
         if obj is _MISSING or obj is None:
             continue
+        if isinstance(obj, float) and math.isnan(obj):
+            raise ConfigError(f"config key '{key}' (from {_where(origins, key)}): nan is not allowed; it must be a number")
         bad = obj <= 0 if rule == "> 0" else obj < 0
         if bad:
             need = "a positive number" if rule == "> 0" else "zero or more"
@@ -281,6 +325,12 @@ def to_dict(config: Any) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
 
 
+def record_dict(config: Any) -> dict:
+    """:func:`to_dict` as a run records it (``config.yaml``, the checkpoint's state, the trackers): values read
+    from the environment (``${oc.env:NAME}``) kept as that text, never as the value (a secret)."""
+    return _with_env_text(to_dict(config), config)
+
+
 def to_yaml(config: Any) -> str:
-    """YAML text of a config instance, as written into the run directory."""
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+    """YAML text of a config instance, as written into the run directory (see :func:`record_dict`)."""
+    return OmegaConf.to_yaml(OmegaConf.create(record_dict(config)))

@@ -246,6 +246,20 @@ class AgentConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """torch.profiler traces of chosen steps (docs/profiling.md); ``polyrl profile RUN_DIR`` summarises them."""
+
+    #: Steps to record (1-based), e.g. ``[2, 10]``: every worker process writes a Chrome trace per step to
+    #: ``RUN_DIR/profile/step_N/<roles>_rank<r>.pt.trace.json`` (TensorBoard's profiler plugin reads the folder).
+    steps: list[int] = field(default_factory=list)
+    #: Also record allocations (shapes and memory events in the trace) and, on platforms that keep an allocation
+    #: history (CUDA), a memory snapshot per process (``*.memory_snapshot.pickle``).
+    memory: bool = False
+    #: Record Python stacks of each operator (bigger traces, slower steps).
+    with_stack: bool = False
+
+
+@dataclass
 class TrainerSection:
     """The loop, placement, logging and checkpoints."""
 
@@ -335,6 +349,11 @@ class TrainerSection:
     #: Async modes: truncated importance-sampling cap on the policy gap (``pi_train / pi_rollout``), applied
     #: per token when ``algorithm.rollout_correction.rollout_is`` is unset (0: no correction).
     async_tis_cap: float = 2.0
+    #: Rewrite ``RUN_DIR/report.html`` (``polyrl view``) every N steps, after each validation and at the end
+    #: (0: only ``polyrl view`` writes it).
+    report_freq: int = 10
+    #: torch.profiler traces of chosen steps (``trainer.profile.steps=[2]``; docs/profiling.md).
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     #: The validated ``trainer.<name>`` block of a plugin trainer (filled by the config loader).
     plugin_config: Any = None
 
@@ -377,11 +396,16 @@ VALUE_RULES: dict[str, str] = {
     "actor.optim.lr": ">= 0",
     "critic.ppo_mini_batch_size": "> 0", "critic.ppo_epochs": "> 0", "critic.micro_batch_size": "> 0",
     "ref.micro_batch_size": "> 0",
-    "rollout.n": "> 0", "rollout.val_n": "> 0",
+    "rollout.n": "> 0", "rollout.val_n": "> 0", "rollout.tensor_parallel_size": "> 0", "rollout.max_model_len": ">= 0",
+    "rollout.max_batch_size": "> 0", "rollout.temperature": ">= 0", "rollout.val_temperature": ">= 0",
     "reward.timeout_s": ">= 0", "reward.num_workers": ">= 0",
     "trainer.total_steps": ">= 0", "trainer.total_epochs": ">= 0", "trainer.n_workers": "> 0",
     "trainer.rollout_workers": "> 0", "trainer.test_freq": ">= 0", "trainer.save_freq": ">= 0",
-    "trainer.max_checkpoints": ">= 0", "trainer.ray_num_cpus": ">= 0",
+    "trainer.max_checkpoints": ">= 0", "trainer.ray_num_cpus": ">= 0", "trainer.report_freq": ">= 0",
+    "trainer.weight_bucket_mb": "> 0",
+    # the asynchronous modes' numbers, checked before Ray starts (a bad one used to fail inside the rollout stream)
+    "trainer.async_max_staleness": ">= 0", "trainer.async_queue_groups": ">= 0", "trainer.async_chunk_groups": ">= 0",
+    "trainer.async_tis_cap": ">= 0",
 }
 
 
@@ -398,6 +422,7 @@ __all__ = [
     "OptimConfig",
     "PolicyLossConfig",
     "PolyrlConfig",
+    "ProfileConfig",
     "RefConfig",
     "RolloutConfig",
     "SFTConfig",

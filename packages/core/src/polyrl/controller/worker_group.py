@@ -1,20 +1,135 @@
-"""Worker groups: ``n`` SPMD copies of a worker class, driven from the controller."""
+"""Worker groups: ``n`` SPMD copies of a worker class, driven from the controller.
+
+Blocking calls (:meth:`WorkerGroup.call_all`, :meth:`~WorkerGroup.call_each`, :meth:`~WorkerGroup.dispatch`)
+return the ranks' results. Non-blocking ones (:meth:`~WorkerGroup.call_all_async`,
+:meth:`~WorkerGroup.call_rank_async`) return a :class:`CallHandle` at once: the driver goes on (generation
+overlapping training, a weight load queued behind a generation) and later asks :meth:`CallHandle.done`,
+waits with :meth:`CallHandle.result` or :func:`wait_any`, or drops it with :meth:`CallHandle.cancel`. Calls on
+one rank run in the order they were made, blocking or not.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tensordict import TensorDict
 
 from polyrl import batch as batch_ops
-from polyrl.platforms.placement import node_local_ranks
+from polyrl.distributed import PORT_ATTEMPTS, port_in_use_error
+from polyrl.platforms.devices import node_local_ranks
+
+
+class CallHandle(Protocol):
+    """A call in flight on one rank or on several (what the ``*_async`` calls of a :class:`WorkerGroup` return)."""
+
+    def done(self) -> bool:
+        """Whether the call finished (successfully or not): :meth:`result` would not block."""
+        ...
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The call's return value (a list in rank order for a call on several ranks), waiting up to ``timeout``
+        seconds (``None``: as long as it takes). Raises ``TimeoutError`` when it is still running then, and the
+        call's own error when it failed."""
+        ...
+
+    def cancel(self) -> None:
+        """Stop waiting for the call: from now on it counts as done and :meth:`result` raises
+        :class:`concurrent.futures.CancelledError`. A call already handed to its ranks still runs there (a rank
+        runs its calls in order, and Ray cannot safely take back a call queued on an actor); a call that
+        finished keeps its result."""
+        ...
+
+
+class CompletedCall:
+    """A handle whose call already ran (the ``local`` executor runs it when it is made)."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+        try:
+            self._value = fn(*args, **kwargs)
+        except Exception as exc:  # raised by result(), as a remote call's error would be
+            self._error = exc
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def cancel(self) -> None:
+        pass  # it finished when it was made: it keeps its result
+
+
+class RayCall:
+    """A handle over the Ray object refs of one call: one ref (one rank) or a list (several ranks)."""
+
+    def __init__(self, refs: list[Any], *, single: bool) -> None:
+        self.refs = refs
+        self.single = single
+        self.cancelled = False
+
+    def done(self) -> bool:
+        import ray
+
+        if self.cancelled:
+            return True
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def result(self, timeout: float | None = None) -> Any:
+        import ray
+
+        if self.cancelled:
+            raise CancelledError("this worker call was cancelled")
+        try:
+            values = ray.get(self.refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise TimeoutError(f"a worker call is still running after {timeout} s") from exc
+        return values[0] if self.single else values
+
+    def cancel(self) -> None:
+        # not ray.cancel: on Ray 2.60 a queued actor call runs anyway, and one cancelled before it reached its
+        # actor stalled the calls made after it
+        if not self.done():
+            self.cancelled = True
+
+
+def wait_any(handles: Sequence[CallHandle], timeout: float | None = None) -> list[CallHandle]:
+    """The handles among ``handles`` that are done, waiting up to ``timeout`` seconds (``None``: without limit)
+    for at least one; ``[]`` when none finished in time."""
+    done = [h for h in handles if h.done()]
+    if done or not handles or timeout == 0:
+        return done
+    rays = [h for h in handles if isinstance(h, RayCall)]
+    if len(rays) == len(handles):  # one wait on every ref: returns as soon as any call may be complete
+        import ray
+
+        ray.wait([r for h in rays for r in h.refs], num_returns=1, timeout=timeout)
+        return [h for h in handles if h.done()]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:  # handles of other kinds: poll
+        done = [h for h in handles if h.done()]
+        if done or (deadline is not None and time.monotonic() >= deadline):
+            return done
+        time.sleep(0.01)
+
+logger = logging.getLogger("polyrl")
 
 
 class WorkerGroup(Protocol):
-    """``world_size`` ranks of one worker class."""
+    """``world_size`` ranks of one worker class.
+
+    Every call names a method of the worker class; calls on one rank run in the order they were made.
+    """
 
     world_size: int
     #: The node of each rank, in rank order.
@@ -30,6 +145,19 @@ class WorkerGroup(Protocol):
 
     def dispatch(self, method: str, batch: TensorDict, **kwargs: Any) -> TensorDict:
         """Split ``batch`` by data-parallel rank, call ``method`` on each shard, concatenate."""
+        ...
+
+    def call_all_async(self, method: str, *args: Any, **kwargs: Any) -> CallHandle:
+        """:meth:`call_all` without waiting: the handle's result is the list of every rank's return value."""
+        ...
+
+    def call_rank_async(self, rank: int, method: str, *args: Any, **kwargs: Any) -> CallHandle:
+        """Call ``method`` on rank ``rank`` alone without waiting; the handle's result is its return value."""
+        ...
+
+    def share(self, value: Any) -> Any:
+        """``value`` in a form that every rank receives as an argument without one copy per call (Ray: one
+        object in the object store); pass the result where ``value`` would go."""
         ...
 
     def dp_size(self, method: str) -> int:
@@ -118,6 +246,19 @@ class LocalWorkerGroup:
     def dispatch(self, method: str, batch: Any, **kwargs: Any) -> Any:
         return getattr(self.worker, method)(batch, **kwargs)
 
+    def call_all_async(self, method: str, *args: Any, **kwargs: Any) -> CallHandle:
+        """Runs the call now; the handle is complete (its result a one-item list)."""
+        return CompletedCall(lambda: [getattr(self.worker, method)(*args, **kwargs)])
+
+    def call_rank_async(self, rank: int, method: str, *args: Any, **kwargs: Any) -> CallHandle:
+        """Runs the call now; the handle is complete."""
+        if rank != 0:
+            raise IndexError(f"rank {rank}: the local executor has one rank (0)")
+        return CompletedCall(getattr(self.worker, method), *args, **kwargs)
+
+    def share(self, value: Any) -> Any:
+        return value
+
     def dp_size(self, method: str) -> int:
         return 1
 
@@ -145,6 +286,31 @@ def _ray_actor_class(worker_cls: type) -> type:
     RayActor.__name__ = worker_cls.__name__  # what Ray shows in its logs and errors
     RayActor.__doc__ = worker_cls.__doc__
     return RayActor
+
+
+def _wait_all(refs: list[Any]) -> list[Any]:
+    """``ray.get(refs)`` that returns soon after one of them failed: ``ray.get`` waits for every ref, and a rank
+    whose peer died may wait for it until the rendezvous times out (30 minutes). The error raised is the
+    lowest rank's among those that failed within two seconds of the first."""
+    import ray
+
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(done)
+        except Exception:
+            if pending:
+                ray.wait(pending, num_returns=len(pending), timeout=2)
+            for ref in refs:
+                ready, _ = ray.wait([ref], timeout=0)
+                if ready:
+                    try:
+                        ray.get(ref)
+                    except Exception as exc:
+                        raise exc from None
+            raise
+    return ray.get(refs)
 
 
 def _bundle_nodes(placement_group: Any, count: int) -> list[str]:
@@ -187,16 +353,12 @@ class RayWorkerGroup:
                 f"{strategy} in 600 s (cluster resources: {ray.cluster_resources()}). Add nodes or resources, "
                 "lower trainer.n_workers / trainer.rollout_workers, or relax trainer.placement_strategy") from None
         # Each worker learns its position on its node as LOCAL_RANK (torchrun's convention); the platform
-        # binds the device from it and from the device ids Ray assigned (polyrl.platforms.placement).
+        # binds the device from it and from the device ids Ray assigned (polyrl.platforms.devices).
         nodes = _bundle_nodes(self.placement_group, world_size)
         #: The Ray node id of each rank (rollout replicas must not span nodes: polyrl.rollout.replicas).
         self.node_ids = nodes
         self.local_ranks = node_local_ranks(nodes)
-        if "master_port" in init_kwargs and "master_addr" not in init_kwargs:
-            # torch.distributed meets at rank 0's node (loopback when every rank is on the driver's node)
-            from polyrl.controller.cluster import rendezvous_address
-
-            init_kwargs["master_addr"], init_kwargs["master_port"] = rendezvous_address(nodes)
+        own_rendezvous = "master_port" in init_kwargs and "master_addr" not in init_kwargs
         remote_cls = ray.remote(_ray_actor_class(worker_cls))
         options: dict[str, Any] = {"num_cpus": bundle.get("CPU", 1)}
         extra = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
@@ -208,18 +370,35 @@ class RayWorkerGroup:
             options["runtime_env"] = {"env_vars": dict(env)}
         # No runtime_env otherwise: an actor with one waits for a new worker process of its own, while one
         # without takes a worker Ray started ahead (seconds faster to a ready group; docs/benchmarks.md)
-        self.workers = [
-            remote_cls.options(
-                name=None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
-                **options,
-            ).remote(rank=i, world_size=world_size, actor_env={
-                "LOCAL_RANK": str(self.local_ranks[i]), "LOCAL_WORLD_SIZE": str(nodes.count(nodes[i])),
-                "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false")}, **init_kwargs)
-            for i in range(world_size)
-        ]
-        # Constructors run concurrently (they meet in init_process_group); wait for all.
-        ray.get([w.ready.remote() for w in self.workers])
+        for attempt in range(PORT_ATTEMPTS):
+            if own_rendezvous:
+                # torch.distributed meets at rank 0's node (loopback when every rank is on the driver's node)
+                from polyrl.controller.cluster import rendezvous_address
+
+                init_kwargs["master_addr"], init_kwargs["master_port"] = rendezvous_address(nodes)
+            self.workers = [
+                remote_cls.options(
+                    name=None,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
+                                                                         placement_group_bundle_index=i),
+                    **options,
+                ).remote(rank=i, world_size=world_size, actor_env={
+                    "LOCAL_RANK": str(self.local_ranks[i]), "LOCAL_WORLD_SIZE": str(nodes.count(nodes[i])),
+                    "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false")}, **init_kwargs)
+                for i in range(world_size)
+            ]
+            try:
+                # Constructors run concurrently (they meet in init_process_group); the first failure ends the wait
+                _wait_all([w.ready.remote() for w in self.workers])
+                break
+            except Exception as exc:
+                for w in self.workers:
+                    ray.kill(w)
+                if not (own_rendezvous and port_in_use_error(exc)) or attempt == PORT_ATTEMPTS - 1:
+                    remove_placement_group(self.placement_group)
+                    raise
+                logger.info("worker group '%s': rendezvous port %s was taken before rank 0 used it; starting the "
+                            "group again on another port", name, init_kwargs["master_port"])
         self._worker_cls = worker_cls
         self._layouts: dict[str, DPLayout] = {}
 
@@ -245,6 +424,19 @@ class RayWorkerGroup:
         import ray
 
         return ray.get([getattr(w, method).remote(*a, **kwargs) for w, a in zip(self.workers, per_rank_args)])
+
+    def call_all_async(self, method: str, *args: Any, **kwargs: Any) -> CallHandle:
+        return RayCall([getattr(w, method).remote(*args, **kwargs) for w in self.workers], single=False)
+
+    def call_rank_async(self, rank: int, method: str, *args: Any, **kwargs: Any) -> CallHandle:
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank}: this group has ranks 0 to {self.world_size - 1}")
+        return RayCall([getattr(self.workers[rank], method).remote(*args, **kwargs)], single=True)
+
+    def share(self, value: Any) -> Any:
+        import ray
+
+        return ray.put(value)
 
     def dispatch(self, method: str, batch: Any, **kwargs: Any) -> Any:
         """Split ``batch`` into the method's data-parallel shards; every rank of a data-parallel group gets

@@ -61,6 +61,11 @@ class RLDataset:
 
     ``truncation``: ``error`` (raise naming the row), ``left`` / ``right`` (cut the
     prompt), ``filter`` (drop the row). ``stats`` counts what was filtered or truncated.
+
+    A prompt far longer than ``max_prompt_length`` is never tokenized whole (a 10 MB line took 4 GB): a row
+    with more than :func:`char_clip` characters of content is first tokenized from a clip of that many
+    characters (its start, or its end for ``left``), which already holds more tokens than the limit; the
+    row's fate is decided from that. Rows below the clip length are tokenized exactly as before.
     """
 
     def __init__(self, files: Sequence[str | Path], tokenizer: Any, *, max_prompt_length: int,
@@ -69,15 +74,19 @@ class RLDataset:
             raise DataError(f"data.truncation={truncation!r}: choose error, left, right or filter")
         self.rows: list[dict] = []
         self.stats = {"rows": 0, "filtered": 0, "truncated": 0}
+        clip = char_clip(tokenizer, max_prompt_length)
         for file in files:
             for i, row in enumerate(load_rows(file)):
                 validate_row(row, str(file), i)
-                ids = _prompt_ids(row["prompt"], tokenizer, chat_template)
+                ids, over = _bounded_prompt_ids(row["prompt"], tokenizer, chat_template, clip, max_prompt_length,
+                                                keep_end=truncation == "left")
                 self.stats["rows"] += 1
-                if len(ids) > max_prompt_length:
+                if over or len(ids) > max_prompt_length:
                     if truncation == "error":
+                        size = f"at least {len(ids)} tokens (from a clip of its {clip} first characters)" if over \
+                            else f"{len(ids)} tokens"
                         raise DataError(
-                            f"{file} row {i}: prompt is {len(ids)} tokens, over data.max_prompt_length="
+                            f"{file} row {i}: prompt is {size}, over data.max_prompt_length="
                             f"{max_prompt_length}; raise it or set data.truncation to filter/left/right"
                         )
                     if truncation == "filter":
@@ -95,6 +104,48 @@ class RLDataset:
 
     def __getitem__(self, i: int) -> dict:
         return self.rows[i]
+
+
+#: Tokens of slack between a clip's and the whole prompt's count (the template's closing text, the cut token).
+_CLIP_SLACK = 64
+
+
+def char_clip(tokenizer: Any, max_prompt_length: int) -> int:
+    """How many characters of prompt content certainly make more than ``max_prompt_length`` tokens (plus
+    slack): no token of ``tokenizer`` spells more than its longest vocabulary entry, so ``n`` tokens cover at
+    most ``n * longest`` characters. Twice that, for normalizers that merge characters."""
+    try:
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=16)
+    except Exception:  # a tokenizer without a vocabulary listing
+        longest = 64
+    return 2 * (max_prompt_length + _CLIP_SLACK) * max(longest, 1)
+
+
+def _bounded_prompt_ids(prompt: Any, tokenizer: Any, chat_template: bool, clip: int, max_prompt_length: int,
+                        *, keep_end: bool) -> tuple[list[int], bool]:
+    """``(ids, certainly_over)``: the prompt's ids, or for a prompt longer than ``clip`` characters the ids of
+    a clip of it (its end with ``keep_end``) when those alone exceed the limit."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    contents = [m.get("content") for m in messages]
+    if all(isinstance(c, str) for c in contents) and sum(len(c) for c in contents) > clip:
+        ids = _prompt_ids(_clip_messages(messages, clip, keep_end), tokenizer, chat_template)
+        if len(ids) > max_prompt_length + _CLIP_SLACK:
+            return ids, True
+    return _prompt_ids(messages, tokenizer, chat_template), False
+
+
+def _clip_messages(messages: list[dict], chars: int, keep_end: bool) -> list[dict]:
+    """The first (or with ``keep_end`` the last) ``chars`` characters of the messages' contents, in order."""
+    out: list[dict] = []
+    left = chars
+    for m in (reversed(messages) if keep_end else messages):
+        if left <= 0:
+            break
+        content = m["content"]
+        part = content[-left:] if keep_end else content[:left]
+        left -= len(part)
+        out.append(dict(m, content=part))
+    return list(reversed(out)) if keep_end else out
 
 
 def _prompt_ids(prompt: Any, tokenizer: Any, chat_template: bool) -> list[int]:

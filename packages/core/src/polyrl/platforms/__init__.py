@@ -13,7 +13,7 @@ from polyrl.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from polyrl.platforms.base import CPUPlatform, CUDAPlatform, detect_platform, get_platform
-    from polyrl.platforms.placement import assign_visible_devices, node_local_ranks, setup_worker_device
+    from polyrl.platforms.devices import assign_visible_devices, node_local_ranks, setup_worker_device
     from polyrl.platforms.selection import PLATFORM_ENV, PlatformChoice, select_platform
 
 # Imported on first use (PEP 562), so that loading the hooks module next to this package
@@ -26,9 +26,9 @@ _EXPORTS = {
     "PLATFORM_ENV": "polyrl.platforms.selection",
     "PlatformChoice": "polyrl.platforms.selection",
     "select_platform": "polyrl.platforms.selection",
-    "assign_visible_devices": "polyrl.platforms.placement",
-    "node_local_ranks": "polyrl.platforms.placement",
-    "setup_worker_device": "polyrl.platforms.placement",
+    "assign_visible_devices": "polyrl.platforms.devices",
+    "node_local_ranks": "polyrl.platforms.devices",
+    "setup_worker_device": "polyrl.platforms.devices",
 }
 
 

@@ -18,12 +18,14 @@ class CPUPlatform:
     device_type = "cpu"
     dist_backend = "gloo"
     weight_sync_backend = "gloo"
-    weight_ipc = "shared_memory"  # host tensors travel through shared memory (torch.multiprocessing)
     visible_devices_env = None
     ray_resource = None
 
     def is_available(self) -> bool:
         return True
+
+    def unavailable_reason(self) -> str:
+        return ""
 
     def device_count(self) -> int:
         return 1
@@ -69,12 +71,20 @@ class CUDAPlatform:
     device_type = "cuda"
     dist_backend = "nccl"
     weight_sync_backend = "nccl"
-    weight_ipc = "cuda_ipc"  # device tensors shared by IPC handle (torch.multiprocessing reductions)
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     ray_resource = "GPU"
 
     def is_available(self) -> bool:
         return getattr(torch.version, "hip", None) is None and torch.cuda.is_available()
+
+    def unavailable_reason(self) -> str:
+        if getattr(torch.version, "hip", None) is not None:
+            return "this is a ROCm build of torch: use the rocm platform (pip install polyrl-hw-rocm)"
+        if torch.version.cuda is None:
+            return "this torch is built without CUDA (a CPU build): install a CUDA build of torch"
+        if not torch.cuda.is_available():
+            return "no NVIDIA GPU is visible (check the driver and CUDA_VISIBLE_DEVICES)"
+        return ""
 
     def device_count(self) -> int:
         return torch.cuda.device_count()
@@ -100,6 +110,18 @@ class CUDAPlatform:
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
+
+    def record_memory_history(self, enabled: bool) -> None:
+        """Start (or stop) keeping the CUDA caching allocator's history (``trainer.profile.memory``)."""
+        if enabled:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        else:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def dump_memory_snapshot(self, path: str) -> bool:
+        """Write the allocator's history to ``path`` (open it at https://pytorch.org/memory_viz)."""
+        torch.cuda.memory._dump_snapshot(path)
+        return True
 
     def memory_stats(self) -> dict[str, float]:
         gib = 2**30

@@ -36,7 +36,7 @@ class HFRollout:
         self.device = platform.current_device() if platform is not None else torch.device("cpu")
         dtype = getattr(torch, getattr(config, "dtype", "float32"))
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
-        self.max_model_len = getattr(config, "max_model_len", 0) or self.model.config.max_position_embeddings
+        self.max_model_len = config.max_model_len or self.model.config.max_position_embeddings
         self.max_batch_size = getattr(config, "max_batch_size", 64)
         self.eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

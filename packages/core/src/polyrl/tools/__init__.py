@@ -3,7 +3,15 @@
 See docs/agents.md. Nothing here imports torch.
 """
 
-from polyrl.tools.function import FunctionTool, ToolSchemaError, check_arguments, tool, validate_tool_schema
+from polyrl.tools.function import (
+    FunctionTool,
+    ToolError,
+    ToolSchemaError,
+    ToolThreads,
+    check_arguments,
+    tool,
+    validate_tool_schema,
+)
 from polyrl.tools.loading import build_tools, check_tool
 from polyrl.tools.parsers import ParsedTurn, ToolCall, ToolCallParser
 
@@ -12,7 +20,9 @@ __all__ = [
     "ParsedTurn",
     "ToolCall",
     "ToolCallParser",
+    "ToolError",
     "ToolSchemaError",
+    "ToolThreads",
     "build_tools",
     "check_arguments",
     "check_tool",

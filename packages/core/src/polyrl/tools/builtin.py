@@ -97,15 +97,21 @@ class PythonTool:
                 "required": ["code"]}}}, "tool 'python'")
 
     async def execute(self, arguments: dict[str, Any], sample: Mapping[str, Any]) -> ToolResult:
-        """Run ``arguments['code']``; raises ``RuntimeError`` (a tool error for the model) when the run failed."""
+        """Run ``arguments['code']``; raises ``RuntimeError`` (a tool error for the model) when the run failed.
+
+        The message is the program's output, intact, followed by one bracketed line saying how the run
+        ended (``[exited with status 1]``, ``[CPU time limit of 10 s exceeded (killed by SIGXCPU)]``,
+        ``[timed out after 10s wall time (killed)]``...) and how much of a long output was dropped.
+        """
         check_arguments(self.schema, arguments)
         result = await self.sandbox.arun(arguments["code"])
         metrics = {"sandbox_s": result.duration_s}
-        if result.error is not None:
-            raise RuntimeError(f"{result.error}\n{result.stdout}".strip())
-        if result.returncode != 0:
-            raise RuntimeError(result.stdout.strip() or f"exited with status {result.returncode}")
-        return ToolResult(text=result.stdout, metrics=metrics)
+        if not result.ok:
+            raise RuntimeError(f"{result.stdout.rstrip()}\n[{result.describe()}]".lstrip("\n"))
+        text = result.stdout
+        if result.truncated:
+            text = f"{text.rstrip()}\n[output truncated: {result.dropped_bytes} bytes dropped from its middle]"
+        return ToolResult(text=text, metrics=metrics)
 
 def python_tool(config: Mapping[str, Any] | None = None) -> PythonTool:
     """Factory of the ``python`` tool (registered in the ``tool`` registry)."""

@@ -24,25 +24,138 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc as cabc
+import concurrent.futures
 import inspect
 import json
+import logging
+import queue
 import re
+import threading
 import types
 import typing
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, Union, get_args, get_origin
 
-from polyrl.errors import ConfigError
+from polyrl.errors import ConfigError, PolyrlError
 from polyrl.protocols import ToolResult
 
-__all__ = ["FunctionTool", "ToolSchemaError", "check_arguments", "tool", "validate_tool_schema"]
+__all__ = ["FunctionTool", "ToolError", "ToolSchemaError", "ToolThreads", "check_arguments", "tool",
+           "validate_tool_schema"]
 
-#: Synchronous tools run here, off the event loop, so one slow tool does not stall other agent loops.
-#: A dedicated pool (not asyncio's default executor) so a hung tool never blocks ``asyncio.run`` from returning.
-TOOL_EXECUTOR = ThreadPoolExecutor(max_workers=32, thread_name_prefix="polyrl-tool")
+logger = logging.getLogger("polyrl")
+
+
+class ToolThreads(concurrent.futures.Executor):
+    """The threads synchronous tools run in, off the event loop, so one slow tool does not stall the others.
+
+    A Python thread cannot be killed, so a tool that hangs keeps its thread. Here that thread is
+    *abandoned*: the caller that gave up on the call (the agent loop's ``tool_timeout_s``) says so with
+    :meth:`abandon`, the thread no longer counts against ``max_workers`` (a new one serves the next call, so
+    later calls are not starved), a warning names the tool, and :attr:`hung` counts the threads still stuck
+    (the ``agent/tools_hung`` metric). Threads are daemons: a hung tool never keeps the process from
+    exiting after its last step. More than ``max_hung`` stuck threads is a sign that a tool hangs on every
+    call: new calls then fail at once with an error naming the tool that hangs, instead of piling up.
+    """
+
+    def __init__(self, max_workers: int = 32, *, max_hung: int = 256, name: str = "polyrl-tool") -> None:
+        self.max_workers = max_workers
+        self.max_hung = max_hung
+        self.name = name
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0  # live worker threads, hung ones included
+        self._idle = 0
+        self._hung: dict[concurrent.futures.Future, str] = {}  # abandoned calls still running -> tool name
+        self._warned_at = 0
+
+    @property
+    def hung(self) -> int:
+        """Threads stuck in calls their callers gave up on."""
+        with self._lock:
+            return len(self._hung)
+
+    def hung_tools(self) -> list[str]:
+        """Names of the tools whose abandoned calls are still running (one entry per stuck thread)."""
+        with self._lock:
+            return sorted(self._hung.values())
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if len(self._hung) >= self.max_hung:
+                names = sorted(set(self._hung.values()))
+                future.set_exception(RuntimeError(
+                    f"{len(self._hung)} calls of synchronous tools ({', '.join(names)}) hang past their timeout; "
+                    "no more threads are started for tool calls. Fix the tool that hangs (or make it async "
+                    "with its own timeout)"))
+                return future
+            self._work.put((future, fn, args, kwargs))
+            if self._idle == 0 and self._threads - len(self._hung) < self.max_workers:
+                self._threads += 1
+                threading.Thread(target=self._worker, name=f"{self.name}-{self._threads}", daemon=True).start()
+            else:
+                self._idle -= 1 if self._idle else 0
+        return future
+
+    def abandon(self, future: concurrent.futures.Future, tool: str, timeout_s: float | None = None) -> None:
+        """The caller stopped waiting for ``future`` (a call of ``tool``): cancel it if it has not started,
+        else count its thread as hung until it returns."""
+        if future.cancel() or future.done():
+            return
+        with self._lock:
+            if future.done():
+                return
+            self._hung[future] = tool
+            count = len(self._hung)
+            warn = count >= 2 * self._warned_at or count == 1
+            if warn:
+                self._warned_at = count
+        future.add_done_callback(self._returned)
+        if warn:
+            after = f" within its {timeout_s:g} s timeout" if timeout_s is not None else ""
+            logger.warning("tool '%s' did not return%s; its thread is abandoned and keeps running (%d tool "
+                           "thread(s) hang now: %s). Later calls get new threads; a tool that may hang should be "
+                           "async with its own timeout, or run a subprocess it can kill", tool, after, count,
+                           ", ".join(sorted(set(self.hung_tools()))))
+
+    def _returned(self, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._hung.pop(future, None)
+
+    def _worker(self) -> None:
+        while True:
+            try:
+                future, fn, args, kwargs = self._work.get(timeout=60.0)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle > 0:  # idle for a minute: give the thread back
+                        self._idle -= 1
+                        self._threads -= 1
+                        return
+                continue
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as exc:  # the tool's failure goes to its caller
+                    future.set_exception(exc)
+            del future, fn, args, kwargs  # no reference to the last call's values while idle
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Nothing to do: the threads are daemons and end with the process (a hung one cannot be joined)."""
+
+
+#: Synchronous tools run here (see :class:`ToolThreads`), not in asyncio's default executor, which
+#: ``asyncio.run`` joins on exit: a hung tool would keep the process from ending.
+TOOL_EXECUTOR = ToolThreads()
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class ToolError(PolyrlError):
+    """A tool did something no model turn can cause and the run cannot use (a NaN or text reward): a bug
+    of the tool, named in the message."""
 
 
 class ToolSchemaError(ConfigError):
@@ -127,15 +240,27 @@ def _json_type(annotation: Any, where: str) -> dict[str, Any]:
         return {"enum": list(args)}
     if origin in (Union, types.UnionType):
         options = [a for a in args if a is not type(None)]
-        if len(options) == 1:
-            return _json_type(options[0], where)
-        return {"anyOf": [_json_type(a, where) for a in options]}
+        inner = _json_type(options[0], where) if len(options) == 1 else {"anyOf": [_json_type(a, where) for a in options]}
+        return _nullable(inner) if len(options) < len(args) else inner
     if origin in (list, tuple, set, frozenset, cabc.Sequence):
         return {"type": "array", "items": _json_type(args[0], where)} if args else {"type": "array"}
     if origin in (dict, cabc.Mapping):
         return {"type": "object"}
     raise ToolSchemaError(f"{where}: cannot express type {annotation!r} in JSON Schema; use str, int, float, bool, "
                           "list[...], dict, Literal[...] or Optional[...]")
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` that also accepts ``null`` (an ``Optional[...]`` parameter)."""
+    if not schema:
+        return schema  # Any: already accepts null
+    if isinstance(schema.get("type"), str) and "enum" not in schema:
+        return {**schema, "type": [schema["type"], "null"]}
+    if "enum" in schema and set(schema) <= {"enum", "description"}:
+        return {**schema, "enum": [*schema["enum"], None]}
+    if "anyOf" in schema and len(schema) == 1:
+        return {"anyOf": [*schema["anyOf"], {"type": "null"}]}
+    return {"anyOf": [schema, {"type": "null"}]}
 
 
 def _docstring_parts(doc: str) -> tuple[str, dict[str, str]]:
@@ -161,7 +286,7 @@ def _docstring_parts(doc: str) -> tuple[str, dict[str, str]]:
 class FunctionTool:
     """A :class:`polyrl.protocols.Tool` around a Python function (sync or async).
 
-    Sync functions run in :data:`TOOL_EXECUTOR` threads. The return value becomes
+    Sync functions run in :data:`TOOL_EXECUTOR` threads (:class:`ToolThreads`). The return value becomes
     the tool message: a ``str``, a :class:`ToolResult` (with a ``reward``), or
     anything ``json.dumps`` accepts; anything else is an error shown to the model.
     Being its own factory (``tool_obj(config)`` returns it), it can be registered
@@ -222,8 +347,12 @@ class FunctionTool:
         if inspect.iscoroutinefunction(self.fn):
             value = await self.fn(**kwargs)
         else:
-            loop = asyncio.get_running_loop()
-            value = await loop.run_in_executor(TOOL_EXECUTOR, lambda: self.fn(**kwargs))
+            future = TOOL_EXECUTOR.submit(self.fn, **kwargs)
+            try:
+                value = await asyncio.wrap_future(future)
+            except asyncio.CancelledError:  # the caller's timeout: the thread may be stuck for good
+                TOOL_EXECUTOR.abandon(future, self.name)
+                raise
         return to_tool_result(value, self.name)
 
 

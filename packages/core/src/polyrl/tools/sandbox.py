@@ -1,11 +1,11 @@
-"""A sandbox for untrusted Python: one process per call, OS-enforced limits, no network, no host files.
+"""A sandbox for untrusted Python: one process tree per call, OS-enforced limits, no network, no host files.
 
 Each call runs in a fresh child process that
 
 * starts in new Linux namespaces (``unshare``, util-linux): user (the child is "root" only inside it,
   with every capability dropped before the code runs; when the trainer runs as root, the namespace's root
   is the unprivileged ``nobody`` (65534) on the host, never the host's root), network (no interface but a
-  down loopback), mount, PID (the call's processes die with it), IPC and UTS;
+  down loopback), mount, PID, IPC and UTS;
 * sees a new root filesystem: a small read-only tmpfs holding read-only bind mounts of ``/usr``,
   ``/lib*``, ``/bin``, ``/sbin``, ``/etc`` and the Python installation, ``/dev/null``/``/dev/urandom``,
   its own ``/proc``, and ``/scratch`` (a fresh tmpfs of ``scratch_mb``, the only writable place, gone after
@@ -16,21 +16,44 @@ Each call runs in a fresh child process that
 * runs ``python -I -S`` (the standard library only, no site-packages) with an empty environment
   (``PATH``, ``HOME=/scratch`` and ``LANG`` only);
 * under resource limits (``setrlimit``: ``prlimit`` on the child, and inside the namespace for processes and
-  open files): CPU seconds, address space, processes, open files, file size, no core dumps; the parent
-  enforces the wall time (the whole process group is killed) and truncates output.
+  open files): CPU seconds, address space, processes, open files, file size, no core dumps.
+
+**No process of a call outlives it.** The first Python process of the call is a small *supervisor*
+(:data:`_BOOT`), not the model's code: it forks the program, reaps whatever is orphaned to it, and reports
+the program's real wait status (exit code or signal, CPU time, uncaught exception type) on a pipe the
+program does not hold. With ``namespaces`` the supervisor is PID 1 of the call's PID namespace: when it
+exits (right after the program's main process ends) or is killed (wall time), the kernel kills every other
+process of the namespace, whatever they did (``setsid``, double fork, ignored signals), before the call
+returns. The program cannot move or kill PID 1 (it is not its parent, signals from inside a namespace to
+its init are dropped, and the supervisor is not dumpable, so it cannot be ptraced). With ``none`` the
+supervisor is a child subreaper that kills and reaps every descendant when the program ends, and where the
+trainer may create cgroup v2 groups, every call runs in its own cgroup, killed as a whole
+(``cgroup.kill``) at the end; see docs/agents.md for what each level guarantees.
+
+What happened is reported as it happened (:class:`SandboxResult`): the exit code (a program's own
+``sys.exit(152)`` is exit code 152, nothing else), the signal, which limit was hit (``cpu``: killed by
+``SIGXCPU`` or by ``SIGKILL`` at the hard limit after using its CPU seconds; ``wall``; ``memory``: the
+program died of ``MemoryError`` under the address-space limit; ``file_size``; ``output``: more output than
+the sandbox reads), the output (the program's stdout and stderr, in order; the sandbox's own diagnostics
+never mix into it) and, when it was longer than ``max_output_bytes``, how many bytes were dropped from its
+middle.
 
 Where the setup is not permitted (some containers; probed once by running it on ``pass``),
 ``isolation="namespaces"`` fails every call with a message saying so; a setup failure of one call is
-``error="sandbox setup failed: ..."``, a CPU limit hit ``error="CPU time limit of N s exceeded"``.
+``error="sandbox setup failed: ..."``.
 ``isolation="none"`` runs with the limits and the empty environment only, in a scratch directory, which is
 *not* a security boundary (see docs/agents.md).
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import concurrent.futures
+import itertools
+import logging
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -40,13 +63,17 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("polyrl")
 
 #: The sandbox's user on the host when the trainer runs as root: the namespace's root is mapped to this
 #: unprivileged uid/gid (``nobody``), never to the host's root.
 SANDBOX_UID = 65534
 
-#: Exit status of the sandboxed Python when it got ``SIGXCPU`` (the CPU soft limit); 128 + SIGXCPU.
-_CPU_EXIT = 152
+#: The sandbox reads at most this many times ``max_output_bytes`` of output (keeping the first and last
+#: parts); a program that writes more is stopped (limit ``output``).
+OUTPUT_READ_FACTOR = 64
 
 #: Root trainers only, in a private mount namespace without a user namespace (still the host's root, so it
 #: can reach a Python installed under a private home such as /root/.pyenv): binds the Python prefix ($1)
@@ -99,34 +126,148 @@ _IDMAP_HELPER = """#!/bin/sh
 printf '%s %s %s\\n' "$2" "$3" "$4" > "/proc/$1/{file}"
 """
 
-#: Runs first inside the sandbox: the per-process limits that must be set inside the namespace, a
-#: ``SIGXCPU`` handler (Python is PID 1 of its namespace, where an unhandled SIGXCPU is ignored), then
-#: tells the parent that the setup worked (one byte on an inherited pipe, closed before the user's code).
+#: The call's supervisor (``CONFIG = {...}`` is prepended): tells the parent the setup worked (``R`` on the
+#: status pipe), forks the program, reaps every process orphaned to it until the program's main process
+#: ends, ends every other process of the call (``namespaces``: by exiting, as PID 1 of the call's PID
+#: namespace; ``none``: as a child subreaper, by killing and reaping every descendant), then writes the
+#: program's wait status on the status pipe. The program runs in the forked child, with
+#: the namespace's process and file limits, its stderr on its stdout, default signal dispositions. (The
+#: report is a Python literal, not JSON: importing json would cost the supervisor 20 ms.)
 _BOOT = """\
-import os, resource, signal, sys
-signal.signal(signal.SIGXCPU, lambda *_: os._exit({cpu_exit}))
-resource.setrlimit(resource.RLIMIT_NPROC, ({nproc}, {nproc}))
-resource.setrlimit(resource.RLIMIT_NOFILE, ({nofile}, {nofile}))
-if {ready_fd} >= 0:
-    os.write({ready_fd}, b"R")
-    os.close({ready_fd})
-os.chdir("/scratch")
-sys.argv = ["main.py"]
-sys.path.insert(0, "/scratch")
-with open("/scratch/main.py") as f:
-    source = f.read()
-try:
-    exec(compile(source, "main.py", "exec"), {{"__name__": "__main__"}})
-except SystemExit:
-    raise
-except BaseException as exc:  # the user's traceback, without this file's frame
-    import traceback
-    traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
-    sys.exit(1)
-"""
+import os, signal, sys, time
 
-#: What util-linux 2.38 ``unshare --fork`` prints (and exits 1) when its child was killed by SIGKILL.
-_UNSHARE_SIGKILL = "sigprocmask unblock failed"
+STATUS_FD = CONFIG["status_fd"]
+
+
+def prctl(option, value):
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    except Exception:
+        pass
+
+
+class Stop(BaseException):
+    pass
+
+
+def stop(*_):
+    raise Stop()
+
+
+def children():
+    me, found = str(os.getpid()).encode(), []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open("/proc/" + name + "/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if stat[stat.rindex(b")") + 2:].split()[1] == me:
+                found.append(int(name))
+    return found
+
+
+def sweep(usage):
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        kids = children()
+        for pid in kids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        reaped = 0
+        while True:
+            try:
+                pid, _, ru = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                break
+            reaped += 1
+            usage[0] += ru.ru_utime + ru.ru_stime
+        if not kids and not reaped:
+            time.sleep(0.002)
+
+
+os.write(STATUS_FD, b"R")
+QUIET = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+for sig in QUIET:
+    signal.signal(sig, signal.SIG_IGN)
+prctl(4, 0)  # PR_SET_DUMPABLE 0: the program cannot ptrace the supervisor or open its /proc files
+if not CONFIG["namespaces"]:
+    prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of the program (setsid, double fork) stay below us
+    signal.signal(signal.SIGTERM, stop)  # the parent's "time is up": end every process of the call
+report_r, report_w = os.pipe()
+main = os.fork()
+if main == 0:
+    os.close(STATUS_FD)
+    os.close(report_r)
+    prctl(4, 1)  # the program itself is dumpable as usual (its own /proc files); the supervisor stays not
+    for sig in QUIET:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if CONFIG["cgroup"]:
+        try:
+            with open(CONFIG["cgroup"] + "/cgroup.procs", "w") as f:
+                f.write("0")
+        except OSError:
+            pass
+    import resource
+    if CONFIG["namespaces"]:
+        resource.setrlimit(resource.RLIMIT_NPROC, (CONFIG["nproc"], CONFIG["nproc"]))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (CONFIG["nofile"], CONFIG["nofile"]))
+    os.dup2(1, 2)
+    sys.stdout.reconfigure(line_buffering=True)  # lines in the order written, as on a terminal
+    os.chdir(CONFIG["workdir"])
+    sys.argv = ["main.py"]
+    sys.path.insert(0, CONFIG["workdir"])
+    try:
+        with open(CONFIG["workdir"] + "/main.py") as f:
+            source = f.read()
+        exec(compile(source, "main.py", "exec"), {"__name__": "__main__"})
+    except SystemExit:
+        raise
+    except BaseException as exc:  # the program's traceback, without this file's frame
+        import traceback
+        try:
+            os.write(report_w, type(exc).__name__.encode()[:200])
+        except OSError:
+            pass
+        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
+        sys.exit(1)
+    sys.exit(0)
+os.close(report_w)
+devnull = os.open("/dev/null", os.O_RDWR)
+os.dup2(devnull, 1)  # only the program holds the output pipe
+report = {"stopped": False}
+usage = [0.0]
+try:
+    while True:
+        try:
+            pid, status, ru = os.wait4(-1, 0)
+        except ChildProcessError:
+            break
+        usage[0] += ru.ru_utime + ru.ru_stime
+        if pid == main:
+            report.update(status=status, main_cpu_s=ru.ru_utime + ru.ru_stime, max_rss_kb=ru.ru_maxrss)
+            break
+except Stop:
+    report["stopped"] = True
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if not CONFIG["namespaces"]:
+    sweep(usage)
+os.set_blocking(report_r, False)
+try:
+    report["exception"] = os.read(report_r, 200).decode("utf-8", "replace")
+except OSError:
+    pass
+report["cpu_s"] = usage[0]
+os.write(STATUS_FD, repr(report).encode())
+os._exit(0)  # nothing to flush; skips the interpreter's teardown
+"""
 
 
 @dataclass
@@ -135,7 +276,7 @@ class SandboxLimits:
 
     #: Wall-clock seconds before the call's processes are killed.
     timeout_s: float = 10.0
-    #: CPU seconds (``RLIMIT_CPU``).
+    #: CPU seconds (``RLIMIT_CPU``, per process: ``SIGXCPU`` at ``cpu_s``, ``SIGKILL`` one second later).
     cpu_s: int = 10
     #: Address space in MiB (``RLIMIT_AS``).
     memory_mb: int = 512
@@ -147,27 +288,59 @@ class SandboxLimits:
     max_open_files: int = 64
     #: Size of the ``/scratch`` tmpfs, MiB: all files the code writes together (memory, not disk).
     scratch_mb: int = 64
-    #: Bytes of stdout + stderr kept; the rest is dropped and the output marked truncated.
+    #: Bytes of stdout + stderr kept (the first and the last half); the middle of longer output is dropped
+    #: and counted. A program that writes more than :data:`OUTPUT_READ_FACTOR` times this is stopped.
     max_output_bytes: int = 16384
 
 
 @dataclass
 class SandboxResult:
-    """What a sandboxed call did."""
+    """What a sandboxed call did, as it happened."""
 
+    #: The program's stdout and stderr, in order (the middle of long output replaced by a marker line).
     stdout: str
+    #: Always empty: stderr is merged into ``stdout`` (kept for compatibility).
     stderr: str
+    #: The program's exit code, ``-N`` when signal N ended it, ``None`` when it was killed for wall time.
     returncode: int | None
     timed_out: bool = False
+    #: Output was longer than ``max_output_bytes``: ``dropped_bytes`` from its middle are not in ``stdout``.
     truncated: bool = False
     duration_s: float = 0.0
+    #: Why the call did not run to its own end: a limit hit or the sandbox failing (``None`` when the
+    #: program ended by itself, whatever its exit code).
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    #: The signal that ended the program, if one did.
+    signal: int | None = None
+    #: The limit that ended the program: ``cpu``, ``wall``, ``memory``, ``file_size``, ``output``.
+    limit: str | None = None
+    #: Bytes of output dropped from the middle (see ``truncated``).
+    dropped_bytes: int = 0
 
     @property
     def ok(self) -> bool:
         """Exited with status 0 within its limits."""
         return self.error is None and not self.timed_out and self.returncode == 0
+
+    def describe(self) -> str:
+        """One line saying how the call ended (``exited with status 3``, ``CPU time limit ... (SIGXCPU)``)."""
+        if self.error is not None:
+            line = self.error
+        elif self.signal is not None:
+            line = f"killed by signal {_signal_name(self.signal)}"
+        else:
+            line = f"exited with status {self.returncode}"
+        if self.dropped_bytes:
+            line += f"; output truncated: {self.dropped_bytes} bytes dropped from its middle"
+        return line
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
 
 
 #: Where the sandbox's programs are looked up (``pivot_root`` is in an sbin, which a user's PATH may lack).
@@ -189,14 +362,56 @@ def namespaces_available() -> tuple[bool, str]:
             if probe.ok:
                 _NS_PROBE = (True, "")
             else:
-                detail = (probe.error or f"exit status {probe.returncode}") + (
-                    f" (output: {probe.stdout.strip()[-400:]})" if probe.stdout.strip() and not probe.error else "")
+                detail = probe.error or probe.describe()
+                if probe.stdout.strip():
+                    detail += f" (output: {probe.stdout.strip()[-400:]})"
                 _NS_PROBE = (False, (
                     "this machine does not permit the sandbox's user + network + mount + PID namespaces, tmpfs "
                     "and proc mounts (a container without CAP_SYS_ADMIN or with a masked /proc, "
                     "kernel.unprivileged_userns_clone=0, or an AppArmor / SELinux policy restricting user "
                     f"namespaces); the probe said: {detail}"))
     return _NS_PROBE
+
+
+_CGROUP_BASE: str | None | bool = False  # False: not probed yet; None: no usable cgroup v2
+_CGROUP_LOCK = threading.Lock()
+_CGROUP_IDS = itertools.count()
+
+
+def cgroup_base() -> str | None:
+    """The trainer's own cgroup v2 directory when it may create child groups there (with ``cgroup.kill``,
+    Linux 5.14+), else ``None``; ``isolation="none"`` then runs each call in its own child group. Probed once
+    per process by creating and removing one."""
+    global _CGROUP_BASE
+    with _CGROUP_LOCK:
+        if _CGROUP_BASE is False:
+            _CGROUP_BASE = _probe_cgroup()
+        return _CGROUP_BASE  # type: ignore[return-value]
+
+
+def _probe_cgroup() -> str | None:
+    try:
+        with open("/proc/self/cgroup") as f:
+            own = next((line.split("::", 1)[1].strip() for line in f if line.startswith("0::")), None)
+        mount = None
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                if right.split(" ", 1)[0] == "cgroup2":
+                    mount = left.split()[4]
+                    break
+        if own is None or mount is None:
+            return None
+        base = os.path.join(mount, own.lstrip("/"))
+        probe = os.path.join(base, f"polyrl-sandbox-probe-{os.getpid()}")
+        os.mkdir(probe)
+        try:
+            usable = os.path.exists(os.path.join(probe, "cgroup.kill"))
+        finally:
+            os.rmdir(probe)
+        return base if usable else None
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 _EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
@@ -215,7 +430,7 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
 
 
 class Sandbox:
-    """Runs Python source in a fresh, isolated process per call (see the module docstring)."""
+    """Runs Python source in a fresh, isolated process tree per call (see the module docstring)."""
 
     def __init__(self, limits: SandboxLimits | None = None, *, isolation: str = "namespaces",
                  python: str | None = None) -> None:
@@ -238,8 +453,13 @@ class Sandbox:
             opts += [f"--nproc={lim.max_processes}", f"--nofile={lim.max_open_files}"]
         return ["prlimit", *opts, "--"]
 
+    def _boot(self, status_fd: int, workdir: str, cgroup: str | None) -> str:
+        config = {"status_fd": status_fd, "namespaces": self.isolation == "namespaces", "workdir": workdir,
+                  "cgroup": cgroup or "", "nproc": self.limits.max_processes, "nofile": self.limits.max_open_files}
+        return f"CONFIG = {config!r}\n" + _BOOT
+
     def run(self, code: str) -> SandboxResult:
-        """Run ``code`` as ``main.py`` and return its output; never raises for what the code does."""
+        """Run ``code`` as ``main.py`` and return what happened; never raises for what the code does."""
         if self.isolation == "namespaces":
             ok, why = namespaces_available()
             if not ok:
@@ -248,13 +468,21 @@ class Sandbox:
                     "or set the python tool's isolation: none (limits only, NOT a security boundary)."))
             return self._run_isolated(code)
         scratch = tempfile.mkdtemp(prefix="polyrl-scratch-")
+        cgroup = _new_cgroup()
+        status = list(os.pipe())
         try:
             with open(os.path.join(scratch, "main.py"), "w") as f:
                 f.write(code)
-            cmd = [*self._prlimit(), self.python, "-I", "-S", os.path.join(scratch, "main.py")]
+            boot = os.path.join(scratch, ".polyrl_boot.py")
+            with open(boot, "w") as f:
+                f.write(self._boot(status[1], scratch, cgroup))
+            cmd = [*self._prlimit(), self.python, "-I", "-S", boot]
             env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "LANG": "C.UTF-8"}
-            return self._communicate(cmd, env, scratch)
+            return self._communicate(cmd, env, scratch, status, cgroup=cgroup)
         finally:
+            _close_pipe(status)
+            if cgroup:
+                _remove_cgroup(cgroup)
             shutil.rmtree(scratch, ignore_errors=True)
 
     def _run_isolated(self, code: str) -> SandboxResult:
@@ -263,8 +491,8 @@ class Sandbox:
         which the setup copies into a size-limited tmpfs mounted on ``/scratch``."""
         lim = self.limits
         work = tempfile.mkdtemp(prefix="polyrl-sbx-")
-        ready_r, ready_w = os.pipe()
-        ready = [ready_r, ready_w]
+        status_r, status_w = os.pipe()
+        status = [status_r, status_w]
         try:
             os.chmod(work, 0o755)  # reachable (not writable) by the unprivileged sandbox user
             for sub in ("root", "prog", "py", "bin"):
@@ -272,8 +500,7 @@ class Sandbox:
             with open(os.path.join(work, "prog", "main.py"), "w") as f:
                 f.write(code)
             with open(os.path.join(work, "prog", ".polyrl_boot.py"), "w") as f:
-                f.write(_BOOT.format(nproc=lim.max_processes, nofile=lim.max_open_files, cpu_exit=_CPU_EXIT,
-                                     ready_fd=ready_w))
+                f.write(self._boot(status_w, "/scratch", None))
             for name in ("main.py", ".polyrl_boot.py"):
                 os.chmod(os.path.join(work, "prog", name), 0o644)
             ns = ["--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child"]
@@ -297,115 +524,140 @@ class Sandbox:
             else:
                 cmd = [*self._prlimit(), "unshare", "--user", "--map-root-user", *ns, *setup, self.prefix,
                        str(lim.scratch_mb)]
-            return self._communicate(cmd, env, work, ready=ready)
+            return self._communicate(cmd, env, work, status)
         finally:
-            # each end closed exactly once (a second close could hit another thread's reused fd number)
-            os.close(ready_r)
-            if ready[1] >= 0:
-                os.close(ready_w)
+            _close_pipe(status)
             shutil.rmtree(work, ignore_errors=True)
 
-    def _communicate(self, cmd: list[str], env: dict[str, str], cwd: str,
-                     ready: list[int] | None = None) -> SandboxResult:
-        """Run ``cmd``, collect its output within the limits; ``ready`` is the setup-done pipe (read end,
-        write end), whose write end this closes (and sets to -1) once the child has it."""
+    def _communicate(self, cmd: list[str], env: dict[str, str], cwd: str, status: list[int],
+                     cgroup: str | None = None) -> SandboxResult:
+        """Run ``cmd`` and collect the program's output and status within the limits; ``status`` is the
+        supervisor's status pipe (read end, write end), whose write end this closes (and sets to -1) once the
+        child has it. Returns only when every process of the call is gone."""
         lim = self.limits
         start = time.monotonic()
+        deadline = start + lim.timeout_s
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
         try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    env=env, cwd=cwd, start_new_session=True, close_fds=True,
-                                    pass_fds=(ready[1],) if ready else ())
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, env=env, cwd=cwd,
+                                    start_new_session=True, close_fds=True, pass_fds=(status[1],))
         except OSError as exc:
+            for fd in (out_r, out_w, err_r, err_w):
+                os.close(fd)
             return SandboxResult("", "", None, error=f"python sandbox could not start: {exc}")
-        if ready:
-            os.close(ready[1])  # only the sandbox holds the write end now (EOF once it is gone)
-            ready[1] = -1
-        out = bytearray()
-        truncated = timed_out = False
-        cpu_used = 0.0
-
-        def reap(block: bool) -> bool:
-            """Wait for the child ourselves (``wait4``: its CPU time, descendants it reaped included)."""
-            nonlocal cpu_used
-            if proc.returncode is not None:
-                return True
-            try:
-                pid, status, usage = os.wait4(proc.pid, 0 if block else os.WNOHANG)
-            except ChildProcessError:
-                proc.returncode = proc.returncode if proc.returncode is not None else -signal.SIGKILL
-                return True
-            if pid == 0:
-                return False
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            cpu_used = usage.ru_utime + usage.ru_stime
-            return True
-
+        finally:
+            if status[1] >= 0:
+                os.close(status[1])  # only the sandbox holds the write ends now (EOF once it is gone)
+                status[1] = -1
+        os.close(out_w)
+        os.close(err_w)
+        output = _Output(lim.max_output_bytes)
+        diagnostics = bytearray()  # the sandbox machinery's stderr (unshare, mount, the supervisor)
+        timed_out = overflow = False
         sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
+        sel.register(out_r, selectors.EVENT_READ, "out")
+        sel.register(err_r, selectors.EVENT_READ, "err")
         try:
-            while True:
-                left = lim.timeout_s - (time.monotonic() - start)
+            # read until every holder of the output is gone: the program's processes end with the call
+            while sel.get_map():
+                left = deadline - time.monotonic()
                 if left <= 0:
                     timed_out = True
                     break
-                if not sel.select(timeout=min(left, 0.5)):
-                    if reap(False):
-                        break
-                    continue
-                chunk = os.read(proc.stdout.fileno(), 65536)
-                if not chunk:
+                for key, _ in sel.select(timeout=min(left, 0.5)):
+                    chunk = os.read(key.fd, 65536)
+                    if not chunk:
+                        sel.unregister(key.fd)
+                    elif key.data == "out":
+                        output.add(chunk)
+                    else:
+                        diagnostics += chunk
+                        del diagnostics[:-8192]
+                if output.total > OUTPUT_READ_FACTOR * lim.max_output_bytes:
+                    overflow = True
                     break
-                out += chunk
-                if len(out) > lim.max_output_bytes:
-                    truncated = True
-                    break
+            if not (timed_out or overflow) and not _wait_exited(proc.pid, deadline):
+                timed_out = True
+            if timed_out or overflow:
+                self._stop(proc)
         finally:
             sel.close()
-            if not reap(False):
-                if timed_out or truncated:
-                    _kill_group(proc)
-                # output closed: let it exit within its wall time, then kill it
-                deadline = max(start + lim.timeout_s, time.monotonic() + 0.5)
-                while not reap(False) and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                if not reap(False):
-                    timed_out = timed_out or not truncated
-                    _kill_group(proc)
-                    reap(True)
-            proc.stdout.close()
-        text = bytes(out[: lim.max_output_bytes]).decode("utf-8", errors="replace")
+            _end_call(proc, cgroup)
+            os.close(out_r)
+            os.close(err_r)
         duration = time.monotonic() - start
-        rc = proc.returncode
-        setup_ok = True
-        if ready:
-            try:
-                os.set_blocking(ready[0], False)
-                setup_ok = os.read(ready[0], 16) == b"R"
-            except OSError:  # BlockingIOError: nobody wrote (a process of the call may still hold the pipe)
-                setup_ok = False
-        error = None
-        cpu_limit = f"CPU time limit of {lim.cpu_s} s exceeded"
+        return self._result(output, bytes(diagnostics), _read_status(status[0]), proc.returncode,
+                            timed_out=timed_out, overflow=overflow, duration=duration)
+
+    def _stop(self, proc: subprocess.Popen) -> None:
+        """End a call that ran out of time or output: every process of it, before returning."""
+        if self.isolation == "namespaces":
+            # the supervisor is PID 1 of the call's PID namespace (unshare's child): killing it kills the
+            # namespace; the pidfd tells when that is done (PID 1 exits after every other process of it)
+            pidfd = _child_pidfd(proc.pid)
+            _kill_group(proc.pid)
+            if pidfd is not None:
+                try:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                select.select([pidfd], [], [], 10.0)
+                os.close(pidfd)
+            return
+        # no namespace: the supervisor (a subreaper) kills and reaps every descendant, then exits
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        _wait_exited(proc.pid, time.monotonic() + 5.0)
+
+    def _result(self, output: _Output, diagnostics: bytes, report: tuple[bool, dict | None], rc: int | None, *,
+                timed_out: bool, overflow: bool, duration: float) -> SandboxResult:
+        lim = self.limits
+        setup_ok, status = report
+        text = output.text()
+        diag = diagnostics.decode("utf-8", errors="replace").strip()
+        metrics = {"cpu_s": float((status or {}).get("cpu_s", 0.0))}
+        if status and status.get("max_rss_kb"):
+            metrics["max_rss_mb"] = status["max_rss_kb"] / 1024
+        common: dict[str, Any] = dict(truncated=output.dropped > 0, dropped_bytes=output.dropped,
+                                      duration_s=duration, metrics=metrics)
         if timed_out:
-            error = f"timed out after {lim.timeout_s:g}s wall time (killed)"
-        elif truncated:
-            error = f"output exceeded {lim.max_output_bytes} bytes (the process was stopped)"
-        elif not setup_ok:
-            error = "sandbox setup failed: " + (text.strip()[-1000:] or f"exit status {rc}")
-        elif rc == _CPU_EXIT and ready:
-            error = cpu_limit
-        elif ready and rc == 1 and _UNSHARE_SIGKILL in text:
-            # Python (PID 1 of the namespace) was SIGKILLed: by the CPU hard limit or for memory
-            text = "\n".join(line for line in text.splitlines() if _UNSHARE_SIGKILL not in line)
-            error = cpu_limit if cpu_used >= lim.cpu_s else "killed by SIGKILL (a resource limit was exceeded)"
-            rc = -signal.SIGKILL
-        elif rc is not None and rc < 0:
-            sig = -rc
-            error = {signal.SIGXCPU: cpu_limit,
-                     signal.SIGKILL: "killed (a resource limit was exceeded)",
-                     signal.SIGXFSZ: f"exceeded the file size limit ({lim.max_file_mb} MiB)"}.get(
-                sig, f"killed by signal {signal.Signals(sig).name}")
-        return SandboxResult(text, "", None if timed_out else rc, timed_out=timed_out, truncated=truncated,
-                             duration_s=duration, error=error, metrics={"cpu_s": cpu_used})
+            return SandboxResult(text, "", None, timed_out=True, limit="wall", **common,
+                                 error=f"timed out after {lim.timeout_s:g}s wall time (killed)")
+        if overflow:
+            return SandboxResult(text, "", None, limit="output", **common,
+                                 error=f"output limit exceeded: the program wrote more than "
+                                       f"{OUTPUT_READ_FACTOR * lim.max_output_bytes} bytes and was stopped")
+        if not setup_ok:
+            return SandboxResult(text, "", rc, **common,
+                                 error="sandbox setup failed: " + (diag[-1000:] or f"exit status {rc}"))
+        if status is None or "status" not in status:
+            return SandboxResult(text, "", rc, **common, error=(
+                "the sandbox's supervisor ended without reporting the program's status (exit status "
+                f"{rc}){': ' + diag[-500:] if diag else ''}"))
+        raw = int(status["status"])
+        if os.WIFSIGNALED(raw):
+            sig = os.WTERMSIG(raw)
+            cpu = float(status.get("main_cpu_s", 0.0))
+            name = _signal_name(sig)
+            if sig == signal.SIGXCPU:
+                limit, error = "cpu", f"CPU time limit of {lim.cpu_s} s exceeded (killed by SIGXCPU)"
+            elif sig == signal.SIGKILL and cpu >= lim.cpu_s:
+                limit, error = "cpu", (f"CPU time limit of {lim.cpu_s} s exceeded (killed by SIGKILL at the hard "
+                                       "limit: the program ignored SIGXCPU)")
+            elif sig == signal.SIGXFSZ:
+                limit, error = "file_size", f"file size limit of {lim.max_file_mb} MiB exceeded (killed by SIGXFSZ)"
+            else:
+                limit, error = None, f"killed by signal {name}"
+            return SandboxResult(text, "", -sig, signal=sig, limit=limit, error=error, **common)
+        code = os.WEXITSTATUS(raw)
+        if code != 0 and status.get("exception") == "MemoryError":
+            return SandboxResult(text, "", code, limit="memory", **common, error=(
+                f"memory limit of {lim.memory_mb} MiB (address space) exceeded: the program died of MemoryError "
+                f"(exit status {code})"))
+        return SandboxResult(text, "", code, **common)
 
     async def arun(self, code: str) -> SandboxResult:
         """:meth:`run` in a thread of the sandbox's own pool (sized for many concurrent calls, so a call
@@ -413,11 +665,168 @@ class Sandbox:
         return await asyncio.get_running_loop().run_in_executor(_executor(), self.run, code)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+class _Output:
+    """The first and the last ``limit // 2`` bytes of a stream, and how many bytes between them were dropped."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self.limit // 2 - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        self.tail += chunk
+        del self.tail[: max(0, len(self.tail) - (self.limit - self.limit // 2))]
+
+    @property
+    def dropped(self) -> int:
+        return self.total - len(self.head) - len(self.tail)
+
+    def text(self) -> str:
+        head = bytes(self.head).decode("utf-8", errors="replace")
+        tail = bytes(self.tail).decode("utf-8", errors="replace")
+        if not self.dropped:
+            return (bytes(self.head) + bytes(self.tail)).decode("utf-8", errors="replace")
+        return f"{head}\n... [{self.dropped} bytes of output dropped] ...\n{tail}"
+
+
+def _read_status(fd: int) -> tuple[bool, dict | None]:
+    """``(setup_ok, report)`` from the supervisor's status pipe (``R`` then a dict literal)."""
+    data = b""
+    os.set_blocking(fd, False)
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
+        while chunk := os.read(fd, 65536):
+            data += chunk
+    except OSError:  # BlockingIOError: no writer closed it yet (cannot happen once the call is over)
+        pass
+    if not data.startswith(b"R"):
+        return False, None
+    try:
+        report = ast.literal_eval(data[1:].decode())
+    except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
+        return True, None
+    return True, report if isinstance(report, dict) else None
+
+
+def _close_pipe(fds: list[int]) -> None:
+    # each end closed exactly once (a second close could hit another thread's reused fd number)
+    for i, fd in enumerate(fds):
+        if fd >= 0:
+            os.close(fd)
+            fds[i] = -1
+
+
+def _wait_exited(pid: int, deadline: float) -> bool:
+    """Wait (without reaping) until child ``pid`` has exited or ``deadline``; whether it exited."""
+    while True:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+        except ChildProcessError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+
+
+def _end_call(proc: subprocess.Popen, cgroup: str | None) -> None:
+    """After the call: kill what is left of its process group (while the unreaped leader keeps the group id
+    from being reused) and of its cgroup, then reap it."""
+    _kill_group(proc.pid)
+    if cgroup:
+        _kill_cgroup(cgroup)
+    if not _wait_exited(proc.pid, time.monotonic() + 10.0):
         try:
             proc.kill()
         except ProcessLookupError:
             pass
+    try:
+        proc.wait(timeout=10.0)
+    except subprocess.TimeoutExpired:  # pragma: no cover - a process that survives SIGKILL
+        logger.warning("python sandbox: process %d did not end after SIGKILL", proc.pid)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _child_pidfd(parent: int) -> int | None:
+    """A pidfd of ``parent``'s (only) child, verified to still be its child once opened."""
+    for pid in _children_of(parent):
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        if pid in _children_of(parent):
+            return fd
+        os.close(fd)
+    return None
+
+
+def _children_of(parent: int) -> list[int]:
+    """Pids whose parent is ``parent`` (``/proc/*/stat``; ``task/*/children`` needs CONFIG_PROC_CHILDREN)."""
+    found = []
+    want = str(parent).encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if stat[stat.rindex(b")") + 2:].split()[1] == want:
+            found.append(int(name))
+    return found
+
+
+def _new_cgroup() -> str | None:
+    base = cgroup_base()
+    if base is None:
+        return None
+    path = os.path.join(base, f"polyrl-sandbox-{os.getpid()}-{next(_CGROUP_IDS)}")
+    try:
+        os.mkdir(path)
+    except OSError as exc:
+        logger.debug("python sandbox: cannot create cgroup %s: %s", path, exc)
+        return None
+    return path
+
+
+def _kill_cgroup(path: str) -> None:
+    """Kill every process in cgroup ``path`` and wait until it is empty."""
+    try:
+        with open(os.path.join(path, "cgroup.kill"), "w") as f:
+            f.write("1")
+    except OSError:
+        return
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        try:
+            with open(os.path.join(path, "cgroup.events")) as f:
+                if "populated 0" in f.read():
+                    return
+        except OSError:
+            return
+        time.sleep(0.002)
+
+
+def _remove_cgroup(path: str) -> None:
+    _kill_cgroup(path)
+    for _ in range(100):
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # EBUSY for a moment after the last process left
+            time.sleep(0.01)
+    logger.warning("python sandbox: could not remove cgroup %s", path)

@@ -1,16 +1,18 @@
 """Run-directory checkpoints: every role's engine plus the trainer's own state, written atomically.
 
-Layout: ``RUN_DIR/checkpoints/step_N/{actor,critic,trainer_state.json}`` and a
-``latest`` file naming the newest complete one. A checkpoint is assembled in a
-hidden temporary folder and renamed into place only when complete, and
-``latest`` is replaced atomically, so a crash mid-save leaves the previous
-checkpoint whole and resumable. When ``latest`` names a checkpoint that is gone
-or incomplete, the newest complete ``step_N`` is used instead (with a warning).
+Layout: ``RUN_DIR/checkpoints/step_N/{actor,critic,trainer_state.json,checkpoint_files.json}`` and a
+``latest`` file naming the newest complete one. A checkpoint is assembled in a hidden temporary folder and
+renamed into place only when complete, and ``latest`` is replaced atomically, so a crash (or a full disk)
+mid-save leaves the previous checkpoint whole and resumable.
 
-Checkpoints are data, never code: the trainer state is JSON, and engines load
-their tensors with ``torch.load(weights_only=True)`` (:func:`load_tensors`) and
-check torch.distributed.checkpoint's pickled metadata before reading it
-(:func:`check_dcp_metadata`), so a planted pickle payload is refused, not run.
+Every checkpoint records the size and digest of its files (:mod:`polyrl.checkpoint_io`); a resume checks
+them first. With ``trainer.resume=auto`` a damaged checkpoint (a truncated or corrupted shard, a missing
+file) is skipped for the newest intact earlier one, with one warning; a checkpoint named explicitly is
+refused with one line instead.
+
+Checkpoints are data, never code: the trainer state is JSON, and engines load their files through
+:mod:`polyrl.checkpoint_io` (``weights_only=True``, DCP metadata through an allow-list), so a planted
+pickle payload is refused, not run.
 """
 
 from __future__ import annotations
@@ -18,13 +20,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import shutil
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from polyrl.errors import CheckpointError
+# the loaders moved to polyrl.checkpoint_io (engines must not import the trainer); kept here for 0.1 plugins
+from polyrl.checkpoint_io import (  # noqa: F401
+    atomic_write_text,
+    check_dcp_metadata,
+    disk_full_error,
+    load_dcp,
+    load_tensors,
+    verify_files,
+    write_file_manifest,
+)
+from polyrl.errors import CheckpointDiskFullError, CheckpointError
 from polyrl.trainer.faults import fault_point
 
 STATE_FILE = "trainer_state.json"
@@ -40,22 +51,47 @@ class CheckpointManager:
         self.keep = keep
 
     def save(self, step: int, save_engines: Callable[[str], None], state: dict[str, Any]) -> Path:
-        """``save_engines(path)`` writes the engines (collectively); then state, rename, ``latest``."""
+        """``save_engines(path)`` writes the engines (collectively); then the state, the file manifest, the
+        rename and ``latest``. A full disk is one :class:`~polyrl.errors.CheckpointDiskFullError`, with the
+        half-written checkpoint removed and the previous one untouched."""
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step_{step}"
         tmp = self.root / f".step_{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        save_engines(str(tmp))
-        (tmp / STATE_FILE).write_text(json.dumps(state))
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            save_engines(str(tmp))
+            (tmp / STATE_FILE).write_text(json.dumps(state))
+            write_file_manifest(tmp)  # the engines' folders carry their own manifests: only those are hashed here
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if disk_full_error(exc, final) is not None:
+                raise self._disk_full(final, exc) from None
+            raise
         fault_point("checkpoint", step)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _atomic_write(self.root / "latest", final.name)
+        try:
+            atomic_write_text(self.root / "latest", final.name)
+        except CheckpointDiskFullError as exc:
+            raise CheckpointDiskFullError(
+                f"disk full while recording {final.name} in {self.root / 'latest'} ({exc.reason}): the checkpoint is "
+                "complete but `latest` still names the previous one, which trainer.resume=auto continues from. "
+                "Free space on that file system (or lower trainer.max_checkpoints) and run again") from None
         fault_point("latest", step)
         self._prune()
         return final
+
+    def _disk_full(self, final: Path, exc: BaseException) -> CheckpointDiskFullError:
+        whole = [p for p in self.complete() if p != final]
+        previous = f"the previous checkpoint ({whole[-1].name}) is whole" if whole else "no earlier checkpoint exists"
+        cause = disk_full_error(exc, final)
+        detail = cause.reason if cause is not None else ""
+        return CheckpointDiskFullError(
+            f"disk full while saving checkpoint {final}{f' ({detail})' if detail else ''}: it was not written and "
+            f"{previous}. Free space on that file system (or lower trainer.max_checkpoints) and run again: "
+            "trainer.resume=auto continues from the last checkpoint")
 
     def complete(self) -> list[Path]:
         """Every complete checkpoint, oldest first."""
@@ -64,28 +100,40 @@ class CheckpointManager:
         found = [p for p in self.root.glob("step_*") if p.is_dir() and p.name[5:].isdigit() and (p / STATE_FILE).exists()]
         return sorted(found, key=lambda p: int(p.name[5:]))
 
-    def latest(self) -> Path | None:
-        """The checkpoint ``latest`` names when it is complete, else the newest complete one, else None.
+    def latest(self, *, verify: bool = True) -> Path | None:
+        """The newest intact checkpoint: the one ``latest`` names when it is complete and intact, else the newest
+        complete and intact one, else None. With ``verify`` each candidate's files are checked against its
+        manifest (:func:`verify_checkpoint`); skipping a damaged or incomplete one logs one warning.
 
-        Raises ``CheckpointError`` when ``latest`` exists but no complete checkpoint is left, rather than
-        silently starting over from step 0.
+        Raises ``CheckpointError`` when checkpoints exist but none is intact, rather than silently starting
+        over from step 0.
         """
         pointer = self.root / "latest"
         whole = self.complete()
-        if pointer.exists():
-            named = pointer.read_text().strip()
-            path = self.root / named
-            if (path / STATE_FILE).exists():
-                return path
-            if not whole:
-                raise CheckpointError(
-                    f"{pointer} names checkpoint '{named}', which is missing or incomplete, and no other complete "
-                    f"checkpoint is left in {self.root}. Start over with trainer.resume=disable (the run's history "
-                    "is then rewritten) or point trainer.resume at a checkpoint folder."
-                )
-            log.warning("%s names '%s', which is missing or incomplete; resuming from %s, the newest complete "
-                        "checkpoint", pointer, named, whole[-1])
-        return whole[-1] if whole else None
+        named = pointer.read_text().strip() if pointer.exists() else None
+        candidates = list(reversed(whole))
+        if named is not None and (self.root / named) in candidates:  # `latest` first, then newest first
+            candidates.remove(self.root / named)
+            candidates.insert(0, self.root / named)
+        skipped: list[str] = []
+        if named is not None and (self.root / named) not in whole:
+            skipped.append(f"'{named}' (named by {pointer}) is missing or incomplete")
+        for path in candidates:
+            if verify:
+                try:
+                    verify_checkpoint(path)
+                except CheckpointError as exc:
+                    skipped.append(f"{path.name} is damaged: {exc}")
+                    continue
+            if skipped:
+                log.warning("checkpoint %s; resuming from %s, the newest intact checkpoint", "; ".join(skipped), path)
+            return path
+        if skipped:
+            raise CheckpointError(
+                f"no intact checkpoint is left in {self.root} ({'; '.join(skipped)}). Start over with "
+                "trainer.resume=disable (the run's history is then rewritten) or point trainer.resume at a "
+                "checkpoint folder.")
+        return None
 
     def _prune(self) -> None:
         if self.keep <= 0:
@@ -94,8 +142,19 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def verify_checkpoint(path: str | Path) -> bool:
+    """Check a checkpoint's files against the sizes and digests recorded when it was saved
+    (:func:`polyrl.checkpoint_io.verify_files`); ``CheckpointError`` names the first damaged file. Returns
+    False for a checkpoint saved before polyrl recorded them (nothing to check)."""
+    verified = verify_files(path)
+    if not verified:
+        log.debug("checkpoint %s records no file manifest (saved by an older polyrl): not verified", path)
+    return verified
+
+
 def resolve_resume(resume: str, manager: CheckpointManager) -> Path | None:
-    """The checkpoint a run should continue from: ``auto``, ``disable`` or an explicit path."""
+    """The checkpoint a run should continue from: ``auto`` (the newest intact one), ``disable`` or an explicit
+    path (refused with one line when it is incomplete or damaged)."""
     if resume in ("disable", "false", "False", ""):
         return None
     if resume == "auto":
@@ -103,6 +162,11 @@ def resolve_resume(resume: str, manager: CheckpointManager) -> Path | None:
     path = Path(resume)
     if not (path / STATE_FILE).exists():
         raise CheckpointError(f"trainer.resume={resume}: no complete checkpoint there (missing {STATE_FILE})")
+    try:
+        verify_checkpoint(path)
+    except CheckpointError as exc:
+        raise CheckpointError(f"trainer.resume={resume}: the checkpoint is damaged: {exc}. Resume from another "
+                              "checkpoint (trainer.resume=auto takes the newest intact one)") from None
     return path
 
 
@@ -178,84 +242,5 @@ def truncate_metrics(run_dir: str | Path, step: int) -> int:
     return dropped
 
 
-# ---------------------------------------------------------------------- loading engine files safely
-
-#: Globals torch.distributed.checkpoint's ``.metadata`` pickle may name (dataclasses of its own, sizes, dtypes).
-_DCP_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-                ("pathlib", "PureWindowsPath")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        # a dotted name is looked up attribute by attribute (``dcp.filesystem`` + ``os.system`` would reach
-        # os.system): only plain names, and from DCP's modules only its own classes (dataclasses, enums)
-        allowed = "." not in name and (
-            (module, name) in _DCP_GLOBALS or module.startswith("torch.distributed.checkpoint.")
-            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
-        if not allowed:
-            raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in checkpoint metadata")
-        obj = super().find_class(module, name)
-        if module.startswith("torch.distributed.checkpoint.") and not (
-                isinstance(obj, type) and obj.__module__.startswith("torch.distributed.checkpoint")):
-            raise pickle.UnpicklingError(f"global '{module}.{name}' is not one of torch.distributed.checkpoint's "
-                                         "own classes and is not allowed in checkpoint metadata")
-        return obj
-
-
-def check_dcp_metadata(folder: str | Path) -> None:
-    """Refuse a torch.distributed.checkpoint folder whose ``.metadata`` pickle names anything but DCP's own
-    metadata types (torch's reader unpickles that file without restrictions)."""
-    path = Path(folder) / ".metadata"
-    if not path.exists():
-        raise CheckpointError(f"{folder} holds no torch.distributed.checkpoint metadata (.metadata missing)")
-    try:
-        with open(path, "rb") as f:
-            _MetadataUnpickler(f).load()
-    except Exception as exc:
-        raise CheckpointError(f"{path} is not a valid checkpoint metadata file and was not loaded: {exc}") from None
-
-
-def load_dcp(state: dict[str, Any], folder: str | Path) -> None:
-    """``torch.distributed.checkpoint.load(state, folder)`` that runs no code from the folder: the metadata is
-    checked first (:func:`check_dcp_metadata`) and non-tensor items are read with ``weights_only=True``."""
-    import io
-
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    class _PlainDataPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            try:
-                obj = torch.load(value, weights_only=True)
-            except Exception as exc:
-                raise CheckpointError(f"{folder}: item '{read_item.dest_index.fqn}' is not plain data and was not "
-                                      f"loaded: {str(exc).strip().splitlines()[0]}") from None
-            clean = io.BytesIO()
-            torch.save(obj, clean)
-            clean.seek(0)
-            super().load_bytes(read_item, clean)
-
-    check_dcp_metadata(folder)
-    dcp.load(state, checkpoint_id=str(folder), planner=_PlainDataPlanner())
-
-
-def load_tensors(path: str | Path) -> Any:
-    """``torch.load(path, weights_only=True)``: tensors and plain containers only, never code."""
-    import torch
-
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path} cannot be loaded as tensors and plain data (refused, nothing from it "
-                              f"was run): {first}") from None
-
-
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write_text(path, text)

@@ -91,7 +91,7 @@ def sft(manifest: str | Path | Manifest | None = None, configs: Sequence[str | P
 
 
 def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manifest | None = None,
-           overrides: Sequence[str] = ()) -> Path:
+           overrides: Sequence[str] = (), *, trust_remote_code: bool = False, allow_run_modules: bool = False) -> Path:
     """``polyrl export CKPT --to DIR [key=value ...]``: write a checkpoint's actor as an HF folder.
 
     The folder is what ``save_pretrained`` writes (config, generation config, safetensors sharded with an index
@@ -106,11 +106,19 @@ def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manife
     written by any number of ranks (its ``load_checkpoint`` takes ``model_only``; the fsdp engine's does).
     Otherwise it starts the run's worker group. ``trainer.executor=...`` (or ``trainer.n_workers=...``) among
     ``overrides`` decides instead.
+
+    A run directory may come from someone else, so exporting it runs nothing from it unless asked
+    (docs/security.md): the checkpoint's files are verified and loaded as data only; a run config that sets
+    ``actor.model.trust_remote_code`` is refused unless ``trust_remote_code`` (``--trust-remote-code``); a
+    ``manifest.lock.toml`` that names ``modules`` to import is refused unless ``allow_run_modules``
+    (``--allow-run-modules``) or another ``manifest`` is given; the run's ``trainer.ray_address`` is ignored
+    (the export runs here) unless an override sets it.
     """
     from polyrl.config.loader import load_config
     from polyrl.config.schema import PolyrlConfig
+    from polyrl.trainer.checkpoint import verify_checkpoint
     from polyrl.trainer.executor import resolve_executor
-    from polyrl.trainer.workers import open_role_group
+    from polyrl.trainer.role_groups import open_role_group
 
     ckpt = Path(checkpoint).resolve()
     if not (ckpt / "actor").exists():
@@ -119,13 +127,31 @@ def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manife
     config_file = run_dir / "config.yaml"
     if not config_file.exists():
         raise CheckpointError(f"{config_file} is missing: export needs the run's config next to its checkpoints")
+    try:
+        verify_checkpoint(ckpt)
+    except CheckpointError as exc:
+        raise CheckpointError(f"polyrl export: the checkpoint is damaged: {exc}; export another checkpoint of the "
+                              "run") from None
     if manifest is None and (run_dir / "manifest.lock.toml").exists():
-        manifest = run_dir / "manifest.lock.toml"
+        manifest = Manifest.load(run_dir / "manifest.lock.toml")
+        if manifest.modules and not allow_run_modules:
+            raise ConfigError(
+                f"{run_dir / 'manifest.lock.toml'} names modules to import ({', '.join(manifest.modules)}): exporting "
+                "would run their code. Pass --allow-run-modules if you trust this run directory, or --manifest with "
+                "a manifest of your own")
     manifest, pm = _plugins(manifest)
     config = load_config(PolyrlConfig, [config_file], overrides, plugins=pm)
+    if config.actor.model.trust_remote_code and not trust_remote_code and not _overridden(
+            overrides, "actor.model.trust_remote_code"):
+        raise ConfigError(
+            f"{config_file} sets actor.model.trust_remote_code=true: exporting would run Python files shipped with "
+            f"the model ({config.actor.model.path}). Pass --trust-remote-code if you trust this run directory and "
+            "that model")
+    if not _overridden(overrides, "trainer.ray_address"):
+        config.trainer.ray_address = ""  # never join a cluster a downloaded config names: the export runs here
     config.trainer.run_dir = str(run_dir)
     worker_cls = getattr(_trainer_factory(config, pm), "worker_cls", None)
-    chosen = any(o.split("=", 1)[0].strip() in ("trainer.executor", "trainer.n_workers") for o in overrides)
+    chosen = _overridden(overrides, "trainer.executor") or _overridden(overrides, "trainer.n_workers")
     if not chosen and _fits_one_process(config, pm):
         config.trainer.executor = "local"
     resolve_executor(config)  # otherwise the executor the run trained with (config.yaml holds the resolved one)
@@ -161,6 +187,11 @@ def _fits_one_process(config: Any, pm: Any) -> bool:
         return "model_only" in inspect.signature(load).parameters
     except (TypeError, ValueError):
         return False
+
+
+def _overridden(overrides: Sequence[str], key: str) -> bool:
+    """Whether a command-line ``key=value`` sets ``key``."""
+    return any(o.split("=", 1)[0].strip() == key for o in overrides)
 
 
 def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:

@@ -8,7 +8,6 @@ and returns the micro-batch's share of the loss plus metrics.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,20 +15,6 @@ import torch
 from tensordict import TensorDict
 
 from polyrl.protocols import LossScale
-
-#: keyword arguments the trainer gives a policy loss when its signature takes them (verl's take some, not all)
-OPTIONAL_LOSS_KWARGS = ("rollout_log_probs", "rollout_is_weights", "loss_scale")
-
-
-def accepted_kwargs(fn: Callable[..., Any], names: tuple[str, ...] = OPTIONAL_LOSS_KWARGS) -> set[str]:
-    """The subset of ``names`` that ``fn`` accepts as keywords (all of them if it takes ``**kwargs``)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # a builtin or C callable without a signature: give it the basics only
-        return set()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return set(names)
-    return {p.name for p in params if p.name in names and p.kind is not inspect.Parameter.POSITIONAL_ONLY}
 
 
 class VerlActorConfigView:
@@ -75,9 +60,10 @@ def make_actor_loss(cfg: Any, *, on_policy: bool = False) -> Callable[..., tuple
     ``on_policy``: the batch carries no ``old_log_probs`` because this update is the first and only
     pass over it; the current log-probs, detached, are the old ones (ratio 1, the same gradient).
 
-    The policy loss gets verl's seven arguments, and ``rollout_is_weights`` (rollout
-    correction), ``rollout_log_probs`` (the legacy ``tis_imp_ratio_cap``) and ``loss_scale``
-    only if its signature takes them, so a loss written for verl runs unchanged: its
+    The policy loss gets every argument :class:`polyrl.protocols.PolicyLoss` declares:
+    verl's six, ``rollout_log_probs`` (the legacy ``tis_imp_ratio_cap``), ``loss_scale`` and
+    ``rollout_is_weights`` (rollout correction); a loss written for verl, declaring fewer, was
+    adapted once at look-up (:func:`polyrl.algorithms.as_policy_loss`) and runs unchanged: its
     ``config`` is a :class:`VerlActorConfigView` whose ``global_batch_info`` carries the
     mini-batch's global counts.
     """
@@ -86,8 +72,7 @@ def make_actor_loss(cfg: Any, *, on_policy: bool = False) -> Callable[..., tuple
     from polyrl.algorithms.rollout_correction import compute_rollout_correction_weights
     from polyrl.algorithms.torch_functional import masked_select_zero
 
-    policy_loss_fn = get_policy_loss_fn(cfg.policy_loss.loss_mode)
-    takes = accepted_kwargs(policy_loss_fn)
+    policy_loss_fn = get_policy_loss_fn(cfg.policy_loss.loss_mode)  # takes every PolicyLoss keyword
     use_tis = bool(policy_option(cfg, "tis_imp_ratio_cap", 0))
     correction = dict(policy_option(cfg, "rollout_correction", None) or {})
     # on-policy (no old-log-prob pass): importance weights per token or per sequence need only this micro-batch
@@ -106,17 +91,15 @@ def make_actor_loss(cfg: Any, *, on_policy: bool = False) -> Callable[..., tuple
                 log_prob.detach() - mb["rollout_log_probs"], mask, correction["rollout_is"],
                 correction.get("rollout_is_threshold", 2.0))
             metrics.update({f"rollout_corr/{k}": v for k, v in is_metrics.items()})
-        optional: dict[str, Any] = {"loss_scale": scale}
-        if weights is not None:
-            optional["rollout_is_weights"] = weights
-        elif use_tis and "rollout_log_probs" in keys:
-            optional["rollout_log_probs"] = mb["rollout_log_probs"]
+        # the legacy TIS cap reads the rollout's log-probs; rollout-correction weights win over it
+        rollout_log_probs = mb["rollout_log_probs"] if weights is None and use_tis and "rollout_log_probs" in keys \
+            else None
         info = {"dp_size": scale.dp_size, "batch_num_tokens": scale.batch_num_tokens,
                 "global_batch_size": scale.global_batch_size,
                 "loss_scale_factor": policy_option(cfg, "loss_scale_factor", None)}
         pg_loss, pg_metrics = policy_loss_fn(
             old_log_prob, log_prob, mb["advantages"], mask, cfg.loss_agg_mode, VerlActorConfigView(cfg, info),
-            **{k: v for k, v in optional.items() if k in takes},
+            rollout_log_probs=rollout_log_probs, loss_scale=scale, rollout_is_weights=weights,
         )
         loss = pg_loss
         # verl's losses name their metrics "actor/..." already; polyrl's are bare

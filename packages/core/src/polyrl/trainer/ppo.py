@@ -28,7 +28,7 @@ from tensordict import TensorDict
 from polyrl import batch as batch_ops
 from polyrl.agent_loops.runner import agent_metrics, fold_tool_rewards
 from polyrl.algorithms import masked_mean
-from polyrl.config.loader import to_dict, to_yaml
+from polyrl.config.loader import record_dict, to_dict, to_yaml
 from polyrl.errors import ConfigError
 from polyrl.logs import progress_bar, setup_run_logging
 from polyrl.manifest import Manifest
@@ -42,8 +42,9 @@ from polyrl.trainer.checkpoint import (
     truncate_metrics,
 )
 from polyrl.trainer.faults import fault_point
+from polyrl.trainer.role_groups import RoleGroups, build_role_groups
 from polyrl.trainer.run_dir import RunDirLock, prepare_run_dir
-from polyrl.trainer.workers import RoleGroups, build_role_groups
+from polyrl.trainer.updates import single_update_pass
 
 log = logging.getLogger("polyrl")
 
@@ -57,7 +58,8 @@ class PPOTrainer:
     One loop for every model kind: a plugin trainer (chosen by ``trainer.name``, registered with
     ``register_trainers``) subclasses this class and overrides only what differs — :attr:`worker_cls`,
     :meth:`build_tokenizer`, :meth:`build_datasets`, :meth:`build_reward_fn`, :meth:`batch_metrics`,
-    :meth:`balance_lengths`, :meth:`throughput_metrics`, :meth:`validate` (docs/plugins/index.md).
+    :meth:`balance_lengths`, :meth:`throughput_metrics`, :meth:`validate`, :meth:`next_rows`, and calls
+    :meth:`sampling_params`, :meth:`generate_batch`, :meth:`pad_rows` (docs/plugins/trainers.md).
     """
 
     #: The worker class the role groups run (a subclass of :class:`polyrl.trainer.role_worker.Worker`).
@@ -89,6 +91,9 @@ class PPOTrainer:
             )
         steps_per_epoch = len(self.loader)
         self.total_steps = cfg.trainer.total_steps or steps_per_epoch * cfg.trainer.total_epochs
+        from polyrl.profiling import check_profile_steps
+
+        self.profile_steps = check_profile_steps(cfg.trainer.profile.steps, self.total_steps)
         updates = max(1, data.train_batch_size // cfg.actor.ppo_mini_batch_size) * cfg.actor.ppo_epochs
         cfg.actor.optim.total_steps = self.total_steps * updates
         cfg.critic.optim.total_steps = self.total_steps * max(
@@ -115,7 +120,7 @@ class PPOTrainer:
         if mode not in ("auto", "always"):
             raise ConfigError(f"actor.recompute_old_log_prob={mode!r}: choose 'auto' or 'always'")
         # on-policy: the one update pass sees the policy that generated the batch (verl's dp_actor does the same)
-        on_policy = cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+        on_policy = single_update_pass(cfg.actor.ppo_epochs, cfg.actor.ppo_mini_batch_size, cfg.data.train_batch_size)
         self.skip_old_log_prob = mode == "auto" and on_policy and not cfg.algorithm.use_kl_in_reward
         estimator_inputs = inspect.signature(self.adv_fn).parameters
         if "sum_pi_squared" in estimator_inputs:
@@ -127,7 +132,7 @@ class PPOTrainer:
                 "(docs/algorithms.md)")
         if "old_log_probs" in estimator_inputs:  # estimators that read the old policy's log-probs
             self.skip_old_log_prob = False
-        from polyrl.trainer.async_rollout import configure_async_mode, make_rollout_source
+        from polyrl.trainer.sample_sources import configure_async_mode, make_rollout_source
 
         configure_async_mode(self)  # trainer.async_mode: placement checked, TIS on the policy gap (docs/async.md)
         self.rollout_corr = self._configure_rollout_correction()
@@ -263,8 +268,18 @@ class PPOTrainer:
             cfg.rollout.response_length = cfg.data.max_response_length
         cfg.rollout.prompt_length = cfg.data.max_prompt_length
 
-    def _write_run_files(self) -> None:
-        """The resolved config and a manifest pinning every loaded plugin distribution, for reruns."""
+    def _select_platform(self) -> Any:
+        """Choose the platform every worker binds (``trainer.device`` resolved); nothing is written yet."""
+        from polyrl.platforms import select_platform
+
+        choice = select_platform(self.config.trainer.device, self.pm)  # logged; raises if a named one is absent
+        self.config.trainer.device = choice.name  # every worker binds the platform chosen (and recorded) here
+        return choice
+
+    def _write_run_files(self, platform_choice: Any) -> None:
+        """The resolved config, a manifest pinning every loaded plugin distribution (for reruns) and the
+        platform record. Written only once a resume was accepted, so a refused one leaves the run's files as
+        they were."""
         (self.run_dir / "config.yaml").write_text(to_yaml(self.config))
         loaded = sorted({(p["distribution"], p["version"]) for p in self.pm.describe()
                          if p["distribution"] and p["distribution"] != "polyrl"})
@@ -274,13 +289,11 @@ class PPOTrainer:
             block=self.manifest.block if self.manifest else (),
         )
         (self.run_dir / "manifest.lock.toml").write_text(lock.to_toml())
-        from polyrl.platforms import select_platform
+        platform_choice.write(self.run_dir)  # platform.json: the platform, why, and what each probe answered
 
-        choice = select_platform(self.config.trainer.device, self.pm)  # logged; raises if a named one is absent
-        choice.write(self.run_dir)  # platform.json: the platform, why, and what each probe answered
-        self.config.trainer.device = choice.name  # every worker binds the platform chosen (and recorded) here
-
-    def _sampling(self, validate: bool = False) -> SamplingParams:
+    def sampling_params(self, validate: bool = False) -> SamplingParams:
+        """How the rollout samples this step (``rollout.*``; one seed per step) or, with ``validate``, for
+        validation (``rollout.val_*``, one sample per prompt)."""
         r = self.config.rollout
         if validate:
             return SamplingParams(temperature=r.val_temperature, top_p=r.val_top_p, top_k=-1,
@@ -321,12 +334,17 @@ class PPOTrainer:
         history: list[dict[str, float]] = []
         with StopAtStepBoundary("the set-up") as stop:
             try:
-                self._write_run_files()
+                platform_choice = self._select_platform()
                 self.groups = build_role_groups(cfg, manifest=self.manifest, use_ref=self.use_ref,
                                                 worker_cls=self.worker_cls, use_critic=self.use_critic,
                                                 run_dir=self.run_dir)
+                if resume_from is not None:
+                    # the engines check the checkpoint (engine, model, world size) before any run file changes
+                    self._load(resume_from)
+                    self._drop_later_metrics(resume_from)
+                self._write_run_files(platform_choice)
                 tracker = Tracker(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
-                                  experiment=cfg.trainer.experiment_name, config=to_dict(cfg),
+                                  experiment=cfg.trainer.experiment_name, config=record_dict(cfg),
                                   resume=resume_from is not None)
             except BaseException:
                 if self.groups is not None:
@@ -334,19 +352,19 @@ class PPOTrainer:
                 self._lock.release()
                 raise
             try:
-                if resume_from is not None:
-                    self._load(resume_from)
-                else:
+                if resume_from is None:
                     self.groups.sync_weights()
                 if self.val_set is not None and cfg.trainer.val_before_train and resume_from is None:
                     last_val = self.validate()
                     tracker.log(last_val, self.global_step)
                     history.append({"step": self.global_step, **last_val})
+                    self._write_report(live=True)
                 bar = _progress(cfg.trainer.progress_bar, self.total_steps, self.global_step)
+                profiler = self._step_profiler()
                 self.rollout_source.start()
                 while self.global_step < self.total_steps and not stop.requested:
                     stop.what = f"step {self.global_step + 1}"
-                    metrics = self.step()
+                    metrics = self._profiled_step(profiler)  # self.step(), recorded when trainer.profile asks
                     self.global_step += 1
                     is_last = self.global_step >= self.total_steps
                     if self.val_set is not None and cfg.trainer.test_freq and (
@@ -358,6 +376,7 @@ class PPOTrainer:
                     tracker.log(metrics, self.global_step)
                     history.append({"step": self.global_step, **metrics})
                     fault_point("metrics", self.global_step)
+                    self._refresh_report(metrics, is_last)
                     due = self.global_step % cfg.trainer.save_freq == 0 or is_last if cfg.trainer.save_freq > 0 else False
                     if due or (stop.requested and cfg.trainer.save_freq > 0):  # Ctrl-C: keep the step just trained
                         self.save()
@@ -370,6 +389,7 @@ class PPOTrainer:
                 try:
                     self.rollout_source.stop()
                     tracker.close()
+                    self._write_report(live=False)
                     self.groups.shutdown()
                 finally:
                     self._lock.release()
@@ -408,18 +428,64 @@ class PPOTrainer:
                     run_dir=self.run_dir, checkpoint=checkpoint,
                     rows=metrics_rows(self.run_dir, list(self.config.trainer.logger), history))
 
+    def _step_profiler(self) -> Any:
+        """The driver's side of ``trainer.profile`` (None when no step is to be recorded)."""
+        from polyrl.profiling import StepProfiler
+
+        prof = self.config.trainer.profile
+        steps = [s for s in self.profile_steps if s > self.global_step]  # a resumed run records what is left
+        if not steps:
+            return None
+        return StepProfiler(self.groups.distinct(), self.run_dir, steps, memory=prof.memory,
+                            with_stack=prof.with_stack)
+
+    def _profiled_step(self, profiler: Any) -> dict[str, float]:
+        """:meth:`step`, with every worker process recording it when it is one of ``trainer.profile.steps``."""
+        step = self.global_step + 1
+        if profiler is None or not profiler.wants(step):
+            return self.step()
+        profiler.start(step)
+        try:
+            return self.step()
+        finally:
+            written = profiler.stop()
+            log.info("step %d profiled: %d trace files in %s", step, len(written), self.run_dir / "profile" / f"step_{step}")
+
+    def _refresh_report(self, metrics: dict[str, float], is_last: bool) -> None:
+        """Rewrite the live report after a validation and every ``trainer.report_freq`` steps (the final one is
+        written when the run ends)."""
+        freq = self.config.trainer.report_freq
+        validated = any(k.startswith("val/") for k in metrics)
+        if freq and not is_last and (validated or self.global_step % freq == 0):
+            self._write_report(live=True)
+
+    def _write_report(self, *, live: bool) -> None:
+        """``RUN_DIR/report.html`` (``polyrl view``), unless ``trainer.report_freq=0``; a failure to write it
+        is logged, never fatal to the run."""
+        if not self.config.trainer.report_freq or "jsonl" not in self.config.trainer.logger:
+            return
+        from polyrl.report import write_report
+
+        try:
+            write_report(self.run_dir, live=live)
+        except Exception as exc:  # the report is a view of the run: the run goes on without it
+            log.warning("could not write %s: %s", self.run_dir / "report.html", exc)
+
     def _resume_point(self) -> Path | None:
-        """The checkpoint to continue from (checked against this config), with metrics after it dropped."""
+        """The checkpoint to continue from: intact (files verified) and trained with this config."""
         resume_from = resolve_resume(self.config.trainer.resume, self.ckpt)
         if resume_from is None:
             return None
         state = read_state(resume_from)
         self._check_resume_config(state, resume_from)
-        dropped = truncate_metrics(self.run_dir, state["global_step"])
+        return resume_from
+
+    def _drop_later_metrics(self, resume_from: Path) -> None:
+        step = read_state(resume_from)["global_step"]
+        dropped = truncate_metrics(self.run_dir, step)
         if dropped:
             log.info("dropped %d metrics lines logged after step %d by the interrupted run; those steps run again",
-                     dropped, state["global_step"])
-        return resume_from
+                     dropped, step)
 
     def _check_resume_config(self, state: dict[str, Any], path: Path) -> None:
         """Refuse to resume with a config that differs from the checkpoint's, except in keys the user allowed
@@ -431,7 +497,10 @@ class PPOTrainer:
         allowed = list(self.config.trainer.resume_override)
         # one rank either way: a run saved under `ray` (the default before `auto`) resumes under `local`
         implicit = ["trainer.executor"] if self.config.trainer.n_workers == 1 else []
-        diffs = config_differences(saved, to_dict(self.config), allowed + implicit)
+        # a key read from the environment is recorded as its ${oc.env:...} text (checkpoints of older polyrl
+        # versions hold the value): it differs only when it differs both ways
+        resolved = {k for k, _, _ in config_differences(saved, to_dict(self.config), allowed + implicit)}
+        diffs = [d for d in config_differences(saved, record_dict(self.config), allowed + implicit) if d[0] in resolved]
         if diffs:
             shown = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in diffs[:10])
             more = f" (and {len(diffs) - 10} more)" if len(diffs) > 10 else ""
@@ -441,11 +510,13 @@ class PPOTrainer:
                 f"Resume with the same values, allow the change with trainer.resume_override=[{keys}], or start a new "
                 "run (another trainer.run_dir, or trainer.resume=disable)."
             )
-        changed = [k for k, _, _ in config_differences(saved, to_dict(self.config), implicit)]
+        changed = [k for k, _, _ in config_differences(saved, record_dict(self.config), implicit)]
         if changed:
             log.warning("resuming with changed config keys (allowed by trainer.resume_override): %s", ", ".join(changed))
 
-    def _next_rows(self) -> list[dict]:
+    def next_rows(self) -> list[dict]:
+        """The next ``data.train_batch_size`` prompt rows from the data loader (a new epoch starts when one ends).
+        A plugin trainer may override it to annotate the rows (calling ``super().next_rows()``)."""
         try:
             return next(self._iter)
         except (AttributeError, StopIteration):
@@ -469,7 +540,7 @@ class PPOTrainer:
         while True:
             gen_rounds += 1
             with _timer(timing, "gen"):  # async modes: the wait for samples generated meanwhile
-                # sync: self._generate(self._next_rows(), n, ...); fully_async takes only the groups still missing
+                # sync: self.generate_batch(self.next_rows(), n, ...); fully_async takes only the groups still missing
                 batch = self.rollout_source.next_batch(cfg.data.train_batch_size - kept_groups)
             with _timer(timing, "reward"):
                 out = self.reward_fn(batch)
@@ -571,6 +642,7 @@ class PPOTrainer:
             self.rollout_source.push_weights()  # sync: groups.sync_weights()
 
         metrics.update(self.rollout_source.end_step(self.global_step + 1, batch))  # async: staleness, sample ids
+        metrics.update(groups.memory_metrics())  # perf/<group>/...: each worker group's Platform.memory_stats
         metrics.update(self.batch_metrics(batch))
         metrics.update(agent_metrics(batch))
         timing["step"] = time.perf_counter() - t_step
@@ -580,14 +652,23 @@ class PPOTrainer:
             self.kl_ctrl.update(metrics.get("actor/reward_kl_penalty", 0.0), n_steps=batch.batch_size[0])
         return metrics
 
-    def _generate(self, rows: list[dict], n: int, *, validate: bool) -> TensorDict:
+    def generate_batch(self, rows: list[dict], n: int, *, validate: bool) -> TensorDict:
+        """``n`` samples of each of ``rows`` from the rollout group (:meth:`sampling_params`), with the row fields
+        the reward manager reads (``uid``, ``data_source``, ``ground_truth``, ``extra_info``)."""
         samples = [row for row in rows for _ in range(n)]
-        batch = self.groups.generate(samples, self._sampling(validate))
+        batch = self.groups.generate(samples, self.sampling_params(validate))
         batch_ops.set_non_tensor(batch, "uid", [s["uid"] for s in samples])
         batch_ops.set_non_tensor(batch, "data_source", [s.get("data_source", "") for s in samples])
         batch_ops.set_non_tensor(batch, "ground_truth", [(s.get("reward_model") or {}).get("ground_truth") for s in samples])
         batch_ops.set_non_tensor(batch, "extra_info", [s.get("extra_info") or {} for s in samples])
         return batch
+
+    def pad_rows(self, rows: list[dict]) -> list[dict]:
+        """``rows`` followed by copies of the last one, marked ``_pad: True``, up to a multiple of the rollout
+        ranks, so that every rank generates an equal share (validation batches of any size); leave out the
+        results of the marked rows."""
+        extra = (-len(rows)) % self.groups.rollout.world_size
+        return rows + [dict(rows[-1], _pad=True) for _ in range(extra)]
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
@@ -605,8 +686,8 @@ class PPOTrainer:
         for rows in loader:
             rows = rows[: size - seen]
             seen += len(rows)
-            rows = _pad_rows(rows, self.groups.rollout.world_size)
-            batch = self._generate(rows, k, validate=True)
+            rows = self.pad_rows(rows)
+            batch = self.generate_batch(rows, k, validate=True)
             out = self.reward_fn(batch)
             correct = out.extra.get("acc") or [float(s > 0) for s in out.token_level_scores.sum(-1).tolist()]
             sources = batch_ops.non_tensor(batch, "data_source")
@@ -641,7 +722,7 @@ class PPOTrainer:
             "numpy_rng": _encode_rng(np.random.get_state()),
             "torch_rng": self._torch_rng(),
             "kl_coef": getattr(self.kl_ctrl, "value", None),
-            "config": to_dict(self.config),  # a resume with another config is refused unless allowed
+            "config": record_dict(self.config),  # a resume with another config is refused unless allowed
         }
 
         def save_all(path: str) -> None:
@@ -749,11 +830,6 @@ def _fit_to_groups(batch: TensorDict, groups: int, n: int, n_workers: int, mini:
             "rewards. Raise algorithm.filter_groups.max_num_gen_batches or check the reward function."
         )
     return batch[: take * n]
-
-
-def _pad_rows(rows: list[dict], multiple: int) -> list[dict]:
-    extra = (-len(rows)) % multiple
-    return rows + [dict(rows[-1], _pad=True) for _ in range(extra)]
 
 
 def _encode_rng(state: Any) -> Any:

@@ -19,6 +19,7 @@ from typing import Any
 from tensordict import TensorDict
 
 from polyrl.manifest import Manifest
+from polyrl.profiling import profiled_call
 from polyrl.protocols import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ class Worker:
 
     def rollout_device_ids(self) -> list[str]:
         """The accelerator ids Ray assigned to this worker (``[]`` on CPU or outside Ray)."""
-        from polyrl.platforms.placement import ray_accelerator_ids
+        from polyrl.platforms.devices import ray_accelerator_ids
 
         return ray_accelerator_ids(self.platform.ray_resource)
 
@@ -198,6 +199,7 @@ class Worker:
                               "use a rollout that does (rollout.name=vllm or sglang)")
 
     # ------------------------------------------------------------------ generation
+    @profiled_call("rollout")
     def generate(self, samples: list[dict], sampling: SamplingParams, *, validate: bool = False) -> TensorDict | None:
         """Run the agent loops on ``samples`` (already repeated ``n`` times) and collate a batch.
 
@@ -235,72 +237,72 @@ class Worker:
             max_response_length=data.max_response_length,
         )
 
+    # ------------------------------------------------------------------ weight sync (polyrl.trainer.weight_sync)
+    @property
+    def _bucket_bytes(self) -> int:
+        return int(self.config.trainer.weight_bucket_mb) << 20
+
+    @profiled_call("weight_sync")
     def sync_rollout_weights(self) -> dict[str, float]:
         """Colocated: stream the actor's weights into this process's rollout, bucket by bucket."""
-        import time
+        from polyrl.trainer.weight_sync import stream_into_rollout
 
-        start = time.perf_counter()
-        if self.rollout is not None:
-            self.rollout.wake_up()
-        count = 0
-        # every actor rank iterates (the gather is collective); a rank lending its device to a
-        # tensor-parallel replica has no rollout: its replica's leader forwards the weights to every TP rank
-        for bucket in self.actor.weights_for_rollout(self.config.trainer.weight_bucket_mb << 20):
-            if self.rollout is not None:
-                self.rollout.update_weights(bucket)
-            count += len(bucket)
-        return {"timing/weight_sync": time.perf_counter() - start, "weight_sync/tensors": float(count)}
+        return stream_into_rollout(self.actor, self.rollout, self._bucket_bytes)
 
+    @profiled_call("weight_sync")
     def gather_weights(self) -> list[list[tuple[str, Any]]] | None:
         """Split placement: every actor rank iterates (collective); rank 0 returns the buckets."""
-        buckets = [
-            [(n, t.detach().cpu()) for n, t in bucket]
-            for bucket in self.actor.weights_for_rollout(self.config.trainer.weight_bucket_mb << 20)
-        ]
-        return buckets if self.rank == 0 else None
+        from polyrl.trainer.weight_sync import gather_buckets
 
+        return gather_buckets(self.actor, self._bucket_bytes, keep=self.rank == 0)
+
+    @profiled_call("weight_sync")
     def load_rollout_weights(self, buckets: list[list[tuple[str, Any]]]) -> None:
         """Split placement: load buckets gathered from the actor group (on a replica's leader)."""
-        if self.rollout is None:
-            return
-        self.rollout.wake_up()
-        for bucket in buckets:
-            self.rollout.update_weights(bucket)
+        from polyrl.trainer.weight_sync import load_buckets
+
+        load_buckets(self.rollout, buckets)
 
     def join_weight_group(self, address: str, port: int, rank: int, size: int) -> None:
         """Split placement, ``trainer.weight_transfer=collective``: join the group of actor rank 0 and the
-        rollout replicas' leaders (:mod:`polyrl.trainer.weight_transfer`)."""
-        from polyrl.trainer.weight_transfer import join_weight_group
+        rollout replicas' leaders (:mod:`polyrl.trainer.weight_sync`)."""
+        from polyrl.trainer.weight_sync import join_weight_group
 
         self.weight_group = join_weight_group(self.platform, address, port, rank, size)
 
+    @profiled_call("weight_sync")
     def send_weights(self) -> dict[str, float]:
         """Collective transfer, actor side: every rank gathers, rank 0 broadcasts the buckets."""
-        from polyrl.trainer.weight_transfer import send_weights
+        from polyrl.trainer.weight_sync import send_weights
 
         sender = getattr(self, "_weight_sender", None)
         if sender is not None:  # a background send on the same group must be through first
             sender.wait()
-        return send_weights(self.actor, getattr(self, "weight_group", None), self.config.trainer.weight_bucket_mb << 20)
+        return send_weights(self.actor, getattr(self, "weight_group", None), self._bucket_bytes)
 
     def start_weight_send(self) -> dict[str, float]:
         """Collective transfer that does not hold the actor up (``fully_async``): every rank gathers, rank 0
         keeps a packed copy and broadcasts it from a thread of its own
-        (:class:`~polyrl.trainer.weight_transfer.BackgroundSender`); waits first for its previous send."""
-        from polyrl.trainer.weight_transfer import BackgroundSender
+        (:class:`~polyrl.trainer.weight_sync.BackgroundSender`); waits first for its previous send."""
+        from polyrl.trainer.weight_sync import BackgroundSender
 
         sender = getattr(self, "_weight_sender", None)
         if sender is None:
             sender = self._weight_sender = BackgroundSender()
-        return sender.submit(self.actor, getattr(self, "weight_group", None), self.config.trainer.weight_bucket_mb << 20)
+        return sender.submit(self.actor, getattr(self, "weight_group", None), self._bucket_bytes)
 
+    @profiled_call("weight_sync")
     def receive_weights(self) -> dict[str, float]:
         """Collective transfer, rollout side (a replica's leader): load the buckets as they arrive."""
-        from polyrl.trainer.weight_transfer import receive_weights
+        from polyrl.trainer.weight_sync import receive_weights
 
         if self.rollout is not None:
             self.rollout.wake_up()
         return receive_weights(self.weight_group, self.rollout)
+
+    def memory_stats(self) -> dict[str, float]:
+        """This process's memory in GiB, as its platform reports it (``Platform.memory_stats``)."""
+        return dict(self.platform.memory_stats())
 
     def sleep_rollout(self) -> None:
         """Release the rollout's accelerator memory before training (colocated)."""
@@ -310,11 +312,13 @@ class Worker:
             self.rollout.sleep(1)
 
     # ------------------------------------------------------------------ inference
+    @profiled_call("actor")
     def compute_log_prob(self, batch: TensorDict) -> TensorDict:
         """Old log-probs and entropy under the current actor."""
         out = self.actor.infer_batch(batch, temperature=self.config.rollout.temperature, compute_entropy=True)
         return out.select("log_probs", "entropy")
 
+    @profiled_call("ref")
     def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict:
         """Reference log-probs: a separate engine, or the LoRA actor with its adapter disabled."""
         temperature = self.config.rollout.temperature
@@ -322,40 +326,93 @@ class Worker:
             return self.ref.infer_batch(batch, temperature=temperature).select("log_probs")
         return self.actor.infer_batch(batch, temperature=temperature, disable_adapter=True).select("log_probs")
 
+    @profiled_call("critic")
     def compute_values(self, batch: TensorDict) -> TensorDict:
         """Critic values for each response token."""
         return self.critic.infer_batch(batch).select("values")
 
     # ------------------------------------------------------------------ updates
+    @profiled_call("actor")
     def update_actor(self, batch: TensorDict) -> dict[str, float]:
         """PPO epochs over mini-batches of this rank's shard; metrics averaged over steps."""
         from polyrl.trainer.losses import make_actor_loss
 
         cfg = self.config.actor
-        rows = cfg.ppo_mini_batch_size * self.config.rollout.n // self.actor.dp_size
-        on_policy = "old_log_probs" not in batch.keys()
-        if on_policy and (cfg.ppo_epochs > 1 or rows < batch.batch_size[0]):
-            raise RuntimeError(
-                "update_actor got no old_log_probs but runs more than one pass over the batch "
-                f"(actor.ppo_epochs={cfg.ppo_epochs}, {batch.batch_size[0] // max(1, rows)} mini-batches): "
-                "compute them first (compute_log_prob)")
-        loss = make_actor_loss(cfg, on_policy=on_policy)
-        return _run_epochs(self.actor, batch, rows, cfg.ppo_epochs, loss, cfg.shuffle, self.actor.dp_rank,
-                           temperature=self.config.rollout.temperature)
+        loss = make_actor_loss(cfg, on_policy=self.update_is_on_policy(batch))
+        return self.run_update_epochs(self.actor, batch, loss, cfg, shuffle=cfg.shuffle,
+                                      temperature=self.config.rollout.temperature)
 
+    @profiled_call("critic")
     def update_critic(self, batch: TensorDict) -> dict[str, float]:
         """Value-loss epochs over mini-batches of this rank's shard."""
         from polyrl.trainer.losses import make_critic_loss
 
         cfg = self.config.critic
-        rows = cfg.ppo_mini_batch_size * self.config.rollout.n // self.critic.dp_size
-        return _run_epochs(self.critic, batch, rows, cfg.ppo_epochs, make_critic_loss(cfg), False, self.critic.dp_rank)
+        return self.run_update_epochs(self.critic, batch, make_critic_loss(cfg), cfg, shuffle=False)
 
+    # -- the update epochs (polyrl.trainer.updates), for subclasses that bring their own loss
+    def mini_batch_rows(self, engine: Any, role_config: Any) -> int:
+        """Rows of one mini-batch on this rank: ``role_config.ppo_mini_batch_size`` prompts x ``rollout.n``
+        samples over ``engine``'s data-parallel ranks."""
+        from polyrl.trainer.updates import mini_batch_rows
+
+        return mini_batch_rows(role_config.ppo_mini_batch_size, self.config.rollout.n, engine.dp_size)
+
+    def update_is_on_policy(self, batch: TensorDict) -> bool:
+        """Whether the actor update of ``batch`` is on-policy: the trainer sent no ``old_log_probs`` because the
+        update is one pass over one mini-batch (:func:`polyrl.trainer.updates.single_update_pass`), so the
+        current log-probs, detached, are the old ones. Raises if the batch lacks them but the update would make
+        more than one pass."""
+        from polyrl.trainer.updates import single_update_pass
+
+        if "old_log_probs" in batch.keys():
+            return False
+        cfg = self.config.actor
+        rows = self.mini_batch_rows(self.actor, cfg)
+        if not single_update_pass(cfg.ppo_epochs, rows, batch.batch_size[0]):
+            raise RuntimeError(
+                "update_actor got no old_log_probs but runs more than one pass over the batch "
+                f"(actor.ppo_epochs={cfg.ppo_epochs}, {batch.batch_size[0] // max(1, rows)} mini-batches): "
+                "compute them first (compute_log_prob)")
+        return True
+
+    def run_update_epochs(self, engine: Any, batch: TensorDict, loss_fn: Any, role_config: Any, *,
+                          shuffle: bool = False, temperature: float = 1.0) -> dict[str, float]:
+        """``role_config.ppo_epochs`` passes over ``batch`` (this rank's shard) in mini-batches of
+        :meth:`mini_batch_rows`, one ``engine.train_batch(mini_batch, loss_fn, temperature=...)`` each;
+        ``shuffle`` reorders the rows every pass (seeded by the engine's ``dp_rank`` and the epoch). Returns the
+        metrics averaged over the optimizer steps (:func:`polyrl.trainer.updates.run_update_epochs`)."""
+        from polyrl.trainer.updates import run_update_epochs
+
+        return run_update_epochs(engine, batch, self.mini_batch_rows(engine, role_config), role_config.ppo_epochs,
+                                 loss_fn, shuffle=shuffle, seed=engine.dp_rank, temperature=temperature)
+
+    @profiled_call("actor")
     def sft_step(self, batch: TensorDict) -> dict[str, float]:
         """One supervised optimizer step (``polyrl sft``)."""
         from polyrl.trainer.losses import sft_loss
 
         return self.actor.train_batch(batch, sft_loss)
+
+    # ------------------------------------------------------------------ profiling
+    def profile_name(self) -> str:
+        """This process's name in trace files: its roles and rank (``actor-ref-rollout_rank0``)."""
+        order = ["actor", "ref", "critic", "rollout"]
+        roles = sorted(self.roles, key=lambda r: order.index(r) if r in order else len(order))
+        return f"{'-'.join(roles)}_rank{self.rank}"
+
+    def start_profile(self, step: int, out_dir: str, *, memory: bool = False, with_stack: bool = False) -> None:
+        """Record this process with torch.profiler until :meth:`stop_profile` (``trainer.profile``)."""
+        from polyrl.profiling import ProfileRecorder
+
+        recorder = ProfileRecorder(self.platform, self.profile_name(), memory=memory, with_stack=with_stack)
+        recorder.start(step, out_dir)
+        self._profile_recorder = recorder
+
+    def stop_profile(self) -> list[str]:
+        """Stop recording and write the trace; returns the files written (none when not recording)."""
+        recorder, self._profile_recorder = getattr(self, "_profile_recorder", None), None
+        return recorder.stop() if recorder is not None else []
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str) -> None:
@@ -431,22 +488,3 @@ def _barrier() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-def _run_epochs(engine: Any, batch: TensorDict, rows: int, epochs: int, loss_fn: Any, shuffle: bool, seed: int,
-                *, temperature: float = 1.0) -> dict:
-    import torch
-
-    size = batch.batch_size[0]
-    rows = max(1, min(rows, size))
-    sums: dict[str, float] = {}
-    steps = 0
-    for epoch in range(epochs):
-        order = torch.randperm(size, generator=torch.Generator().manual_seed(seed * 1000 + epoch)) if shuffle else None
-        data = batch[order] if order is not None else batch
-        for start in range(0, size - rows + 1, rows):
-            metrics = engine.train_batch(data[start : start + rows], loss_fn, temperature=temperature)
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-            steps += 1
-    return {k: v / max(1, steps) for k, v in sums.items()}

@@ -16,7 +16,7 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from polyrl.config.loader import to_dict, to_yaml
+from polyrl.config.loader import record_dict, to_yaml
 from polyrl.errors import DataError
 from polyrl.logs import progress_bar, setup_run_logging
 from polyrl.manifest import Manifest
@@ -93,6 +93,9 @@ class SFTTrainer:
             raise DataError(f"data.train_batch_size={bs} is larger than the {len(examples)} SFT examples")
         self.total_steps = config.trainer.total_steps or self.steps_per_epoch * config.trainer.total_epochs
         config.actor.optim.total_steps = self.total_steps
+        from polyrl.profiling import check_profile_steps
+
+        self.profile_steps = check_profile_steps(config.trainer.profile.steps, self.total_steps)
 
     def fit(self) -> dict[str, float]:
         """Train, then export the model as an HF folder to ``RUN_DIR/hf`` (holding the run directory's lock)."""
@@ -103,7 +106,7 @@ class SFTTrainer:
 
     def _fit(self) -> dict[str, float]:
         from polyrl.tracking import Tracker
-        from polyrl.trainer.workers import open_role_group
+        from polyrl.trainer.role_groups import open_role_group
 
         cfg = self.config
         began = time.perf_counter()
@@ -113,12 +116,16 @@ class SFTTrainer:
                                   role_kind="sft")
         group = started.group
         tracker = Tracker(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
-                          experiment=cfg.trainer.experiment_name, config=to_dict(cfg))
+                          experiment=cfg.trainer.experiment_name, config=record_dict(cfg))
         bs = cfg.data.train_batch_size
         rng = random.Random(cfg.data.seed)
         order: list[int] = []
         metrics: dict[str, float] = {}
         bar = progress_bar(cfg.trainer.progress_bar, self.total_steps, desc="polyrl sft")
+        from polyrl.profiling import StepProfiler
+
+        profiler = StepProfiler([group], self.run_dir, self.profile_steps, memory=cfg.trainer.profile.memory,
+                                with_stack=cfg.trainer.profile.with_stack)
         try:
             for step in range(1, self.total_steps + 1):
                 if len(order) < bs:
@@ -129,7 +136,13 @@ class SFTTrainer:
                 idx, order = order[:bs], order[bs:]
                 batch = sft_batch([self.examples[i] for i in idx], self.tokenizer.pad_token_id)
                 start = time.perf_counter()
-                result = group.dispatch("sft_step", batch)
+                if step in self.profile_steps:
+                    profiler.start(step)
+                try:
+                    result = group.dispatch("sft_step", batch)
+                finally:
+                    if step in self.profile_steps:
+                        profiler.stop()
                 metrics = result if isinstance(result, dict) else {
                     k: sum(r[k] for r in result) / len(result) for k in result[0]}
                 metrics["timing/step"] = time.perf_counter() - start
@@ -143,6 +156,13 @@ class SFTTrainer:
                 bar.close()
             tracker.close()
             started.shutdown()
+        if cfg.trainer.report_freq and "jsonl" in cfg.trainer.logger:
+            from polyrl.report import write_report
+
+            try:
+                write_report(self.run_dir)
+            except Exception as exc:  # a view of the run, never fatal to it
+                logging.getLogger("polyrl").warning("could not write %s: %s", self.run_dir / "report.html", exc)
         logging.getLogger(__name__).info(
             "polyrl sft: finished %d steps in %.0fs; the model is in %s (train on it with model.path=%s)",
             self.total_steps, time.perf_counter() - began, self.run_dir / "hf", self.run_dir / "hf")

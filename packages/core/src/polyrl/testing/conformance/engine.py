@@ -204,6 +204,27 @@ class EngineConformance:
         assert again[_grad_key(again)] == pytest.approx(second[_grad_key(second)], rel=1e-5)
         assert torch.allclose(fresh.infer_batch(batch)["log_probs"], after_second, atol=1e-6)
 
+    def test_load_runs_no_code_planted_in_the_checkpoint(self, engine_factory, tmp_path):
+        """Each pickle-based file of a saved checkpoint (``.metadata``, ``*.pt``, ``*.pkl``, ``*.bin``) replaced by a
+        pickle whose loading would create a file: loading must fail and create nothing (docs/security.md;
+        ``polyrl.checkpoint_io`` is the loader that does this)."""
+        import pickle
+        import shutil
+
+        engine, batch = engine_factory(), self.make_batch()
+        engine.train_batch(batch, _loss)
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        planted = [p for p in sorted((tmp_path / "ckpt").rglob("*")) if p.is_file() and (
+            p.name.endswith(".metadata") or p.suffix in (".pt", ".pkl", ".bin"))]
+        marker = tmp_path / "pwned"
+        for target in planted:
+            copy = tmp_path / f"planted_{target.name}"
+            shutil.copytree(tmp_path / "ckpt", copy)
+            (copy / target.relative_to(tmp_path / "ckpt")).write_bytes(pickle.dumps(_Payload(str(marker))))
+            with pytest.raises(Exception):  # noqa: B017 - any refusal will do; running the payload will not
+                engine.load_checkpoint(str(copy))
+            assert not marker.exists(), f"loading a checkpoint ran code planted in its {target.name}"
+
     def test_load_checkpoint_of_nothing_is_an_error(self, engine_factory, tmp_path):
         (tmp_path / "empty").mkdir()
         with pytest.raises(ValueError, match="empty"):
@@ -254,3 +275,14 @@ class EngineConformance:
         call = engine.infer_batch if method == "infer_batch" else lambda b: engine.train_batch(b, _loss)
         with pytest.raises(KeyError, match=self.required_field):
             call(batch)
+
+
+class _Payload:
+    """Unpickling this runs ``open(marker, "w")``: what a planted checkpoint file would do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (open, (self.marker, "w"))
+

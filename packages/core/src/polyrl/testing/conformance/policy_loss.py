@@ -1,4 +1,5 @@
-"""Conformance suite for policy losses (verl's signature plus the keyword ``loss_scale``).
+"""Conformance suite for policy losses: verl's signature plus the keywords the trainer passes
+(:class:`polyrl.protocols.PolicyLoss`: ``rollout_log_probs``, ``loss_scale``, ``rollout_is_weights``).
 
 Subclass it and provide a ``policy_loss`` fixture (the function). Class attributes
 tune it to the loss:
@@ -10,6 +11,12 @@ tune it to the loss:
 - ``on_policy_agg_mode`` ("token-mean"): the ``loss_agg_mode`` under which, with
   ``log_prob == old_log_prob``, the gradient is the plain policy gradient of
   ``agg_loss(-A * log_prob)``; None to skip that check.
+- ``is_weights_scale_the_loss`` (True): ``rollout_is_weights`` multiply the per-token losses,
+  so constant weights ``c`` give ``c`` times the loss. False for a loss that uses them otherwise.
+
+A loss written for verl that declares only some of the keywords runs in the trainer anyway
+(:func:`polyrl.algorithms.as_policy_loss` adapts it at look-up); this suite checks the whole
+protocol, so declare them to pass it.
 
 ::
 
@@ -52,11 +59,13 @@ def _namespace(value: Any) -> Any:
 
 class PolicyLossConformance:
     """What every policy loss promises: ``fn(old_log_prob, log_prob, advantages, response_mask,
-    loss_agg_mode, config, rollout_log_probs=None, *, loss_scale=None) -> (scalar loss, float metrics)``."""
+    loss_agg_mode, config, rollout_log_probs=None, *, loss_scale=None, rollout_is_weights=None)
+    -> (scalar loss, float metrics)``."""
 
     config: dict[str, Any] = {"clip_ratio": 0.2, "clip_ratio_c": 3.0}
     split_invariant: bool = True
     on_policy_agg_mode: str | None = "token-mean"
+    is_weights_scale_the_loss: bool = True
 
     def _loss(self, policy_loss, old, new, adv, mask, mode="token-mean", config=None, **kw):
         torch.manual_seed(0)  # losses that sample tokens (clip_cov) are reproducible per call
@@ -159,3 +168,21 @@ class PolicyLossConformance:
         plain, _ = self._loss(policy_loss, old, new, adv, mask)
         with_rollout, _ = self._loss(policy_loss, old, new, adv, mask, rollout_log_probs=old.clone())
         assert float(plain.detach()) == pytest.approx(float(with_rollout.detach()), abs=1e-6)
+
+    def test_takes_every_keyword_the_trainer_passes(self, policy_loss):
+        """The trainer calls with all three keywords, ``None`` where one does not apply."""
+        old, new, adv, mask = make_inputs(seed=10)
+        plain, _ = self._loss(policy_loss, old, new, adv, mask)
+        explicit, _ = self._loss(policy_loss, old, new, adv, mask, rollout_log_probs=None, loss_scale=None,
+                                 rollout_is_weights=None)
+        assert float(explicit.detach()) == pytest.approx(float(plain.detach()), abs=1e-7)
+
+    def test_rollout_is_weights_reweight_the_tokens(self, policy_loss):
+        old, new, adv, mask = make_inputs(seed=11)
+        plain, _ = self._loss(policy_loss, old, new, adv, mask)
+        ones, _ = self._loss(policy_loss, old, new, adv, mask, rollout_is_weights=torch.ones_like(old))
+        assert float(ones.detach()) == pytest.approx(float(plain.detach()), abs=1e-6)
+        if not self.is_weights_scale_the_loss:
+            return
+        half, _ = self._loss(policy_loss, old, new, adv, mask, rollout_is_weights=torch.full_like(old, 0.5))
+        assert float(half.detach()) == pytest.approx(0.5 * float(plain.detach()), abs=1e-6)

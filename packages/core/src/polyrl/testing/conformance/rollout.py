@@ -69,6 +69,11 @@ class RolloutConformance:
     def test_prompt_over_model_length_raises_value_error(self, rollout):
         with pytest.raises(ValueError):
             rollout.generate([GenerationRequest([5] * 100_000, SamplingParams(max_new_tokens=4))])
+        limit = rollout.max_model_len  # declared: None (no limit) or the longest prompt + response it takes
+        assert limit is None or (isinstance(limit, int) and limit > 0), limit
+        if limit is not None:
+            with pytest.raises(ValueError):  # one token over its own stated limit
+                rollout.generate([GenerationRequest([5] * (limit - 1), SamplingParams(max_new_tokens=2))])
 
     def test_unknown_weight_name_raises_key_error(self, rollout):
         import torch

@@ -36,6 +36,8 @@ import torch
 from tensordict import TensorDict
 
 from polyrl import batch as batch_ops
+from polyrl.checkpoint_io import load_tensors
+from polyrl.controller.worker_group import CallHandle, WorkerGroup, wait_any
 from polyrl.errors import ConfigError
 
 log = logging.getLogger("polyrl")
@@ -122,23 +124,17 @@ def attach_sample_fields(batch: TensorDict, rows: list[dict], n: int, version: i
     return batch
 
 
-def _submit_generate(workers: list[Any], rows: list[dict], n: int, sampling: Any) -> list[tuple[Any, list[dict]]]:
-    """``generate`` on each rollout worker for its share of ``rows`` (whole groups); returns (ref, rows)."""
-    parts = [rows[i::len(workers)] for i in range(len(workers))]
+def _submit_generate(group: WorkerGroup, rows: list[dict], n: int, sampling: Any) -> list[tuple[CallHandle, list[dict]]]:
+    """``generate`` on each rollout rank for its share of ``rows`` (whole groups), without waiting; returns
+    ``(handle, rows)`` per rank that got some."""
+    size = group.world_size
     out = []
-    for worker, part in zip(workers, parts):
+    for rank in range(size):
+        part = rows[rank::size]
         if part:
             samples = [row for row in part for _ in range(n)]
-            out.append((worker.generate.remote(samples, sampling), part))
+            out.append((group.call_rank_async(rank, "generate", samples, sampling), part))
     return out
-
-
-def _rollout_workers(trainer: Any) -> list[Any]:
-    workers = getattr(trainer.groups.rollout, "workers", None)
-    if not workers:
-        raise ConfigError(f"trainer.async_mode={trainer.config.trainer.async_mode} needs Ray rollout workers "
-                          "(trainer.executor=ray, trainer.placement=split)")
-    return list(workers)
 
 
 def _staleness_metrics(batch: TensorDict, policy_version: int) -> dict[str, float]:
@@ -162,6 +158,22 @@ class Snapshot:
             torch.save(self.tensors, Path(path) / QUEUE_FILE)
 
 
+def pending_prompts(state: dict[str, Any] | None) -> list[dict]:
+    """The prompts a checkpoint's rollout-source state had drawn from the loader but not trained on, in the
+    order they were drawn: ``one_step_off_policy``'s prefetched batch, ``fully_async``'s finished groups, the
+    chunks in flight and the prompts waiting. A source of another mode generates them again."""
+    if not state:
+        return []
+    rows = [g["row"] for g in state.get("groups") or []]
+    return rows + list(state.get("rows") or []) + list(state.get("pending_rows") or [])
+
+
+def _log_handover(state: dict[str, Any] | None, mode: str, count: int) -> None:
+    if state and state.get("mode") not in (None, mode) and count:
+        log.warning("the checkpoint is from trainer.async_mode=%s: the %d prompts it had queued are generated again "
+                    "in %s before new ones", state.get("mode"), count, mode)
+
+
 # ---------------------------------------------------------------------- sync
 
 
@@ -173,6 +185,18 @@ class RolloutSource:
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.n = trainer.config.rollout.n
+        #: prompts a checkpoint of another mode had queued or in flight: trained before new ones are drawn
+        self._carry: deque[dict] = deque()
+
+    def _rows(self) -> list[dict]:
+        """The next batch's prompts: carried-over ones first, then the loader's (its rest is carried on)."""
+        t = self.trainer
+        if not self._carry:
+            return t.next_rows()
+        size = t.config.data.train_batch_size
+        while len(self._carry) < size:
+            self._carry.extend(t.next_rows())
+        return [self._carry.popleft() for _ in range(size)]
 
     def start(self) -> None:
         """Called once the workers run and hold the starting (or resumed) weights."""
@@ -182,8 +206,7 @@ class RolloutSource:
         """The next prompt groups with their samples (rows ``n`` per prompt). ``groups``: how many the step
         still needs (fewer in dynamic sampling's later rounds); a source that generates whole batches
         (``sync``, ``one_step_off_policy``) returns a batch's worth anyway."""
-        t = self.trainer
-        return t._generate(t._next_rows(), self.n, validate=False)
+        return self.trainer.generate_batch(self._rows(), self.n, validate=False)
 
     def push_weights(self) -> None:
         """After the actor update: the rollout gets the new weights."""
@@ -195,10 +218,16 @@ class RolloutSource:
 
     def snapshot(self) -> Snapshot:
         """The state a checkpoint stores."""
+        if self._carry:
+            return Snapshot(self.trainer.loader.state_dict(), {"mode": self.mode, "pending_rows": list(self._carry)})
         return Snapshot(self.trainer.loader.state_dict())
 
     def restore(self, path: str | Path, state: dict[str, Any] | None) -> None:
-        """Continue from a checkpoint's :meth:`snapshot` (the loader is already restored)."""
+        """Continue from a checkpoint's :meth:`snapshot` (the loader is already restored). A checkpoint of
+        another ``trainer.async_mode`` hands over the prompts it had queued or in flight (:func:`pending_prompts`):
+        they are trained first, none lost, none twice."""
+        self._carry.extend(pending_prompts(state))
+        _log_handover(state, self.mode, len(self._carry))
 
     def stop(self) -> None:
         """Stop background work (the run ends or failed)."""
@@ -233,10 +262,9 @@ class OneStepOffPolicySource(RolloutSource):
 
     def __init__(self, trainer: Any) -> None:
         super().__init__(trainer)
-        self._pending: list[tuple[Any, list[dict]]] | None = None
+        self._pending: list[tuple[CallHandle, list[dict]]] | None = None
         self._pending_rows: list[dict] | None = None
         self._pending_version = 0
-        self._restored_rows: list[dict] | None = None
         self.version = 0  # the policy version the rollout holds
 
     def start(self) -> None:
@@ -246,25 +274,20 @@ class OneStepOffPolicySource(RolloutSource):
     def _issue(self, rows: list[dict], ahead: int) -> None:
         t = self.trainer
         # the seed a sync run gives the step these prompts are trained in
-        sampling = t._sampling().replace(seed=t.config.trainer.seed * 1_000_003 + t.global_step + ahead)
-        self._pending = _submit_generate(_rollout_workers(t), rows, self.n, sampling)
+        sampling = t.sampling_params().replace(seed=t.config.trainer.seed * 1_000_003 + t.global_step + ahead)
+        self._pending = _submit_generate(t.groups.rollout, rows, self.n, sampling)
         self._pending_rows, self._pending_version = rows, self.version
 
     def next_batch(self, groups: int | None = None) -> TensorDict:
-        import ray
-
-        t = self.trainer
         if self._pending is None:  # first step (or first after resume): nothing prefetched
-            rows = self._restored_rows or t._next_rows()
-            self._restored_rows = None
-            self._issue(rows, 0)
+            self._issue(self._rows(), 0)
         refs, version = self._pending, self._pending_version
-        parts = [(ray.get(ref), rows) for ref, rows in refs]
+        parts = [(handle.result(), rows) for handle, rows in refs]
         rows = [r for _, part in parts for r in part]
         batch = batch_ops.concat([b for b, _ in parts]) if len(parts) > 1 else parts[0][0]
         self._pending = None
         # the next step's generation starts now, on the weights the rollout holds (this step's trains meanwhile)
-        self._issue(t._next_rows(), 1)
+        self._issue(self._rows(), 1)
         return attach_sample_fields(batch, rows, self.n, version)
 
     def push_weights(self) -> None:
@@ -277,14 +300,12 @@ class OneStepOffPolicySource(RolloutSource):
 
     def snapshot(self) -> Snapshot:
         # the prefetched prompts were drawn from the loader: a resumed run generates them again
-        rows = self._pending_rows if self._pending is not None else None
-        return Snapshot(self.trainer.loader.state_dict(), {"mode": self.mode, "pending_rows": rows})
-
-    def restore(self, path: str | Path, state: dict[str, Any] | None) -> None:
-        if state and state.get("pending_rows"):
-            self._restored_rows = list(state["pending_rows"])
+        rows = (list(self._pending_rows or []) if self._pending is not None else []) + list(self._carry)
+        return Snapshot(self.trainer.loader.state_dict(), {"mode": self.mode, "pending_rows": rows or None})
 
     def stop(self) -> None:
+        for handle, _ in self._pending or []:  # the prefetch is not needed any more (its prompts are in a snapshot)
+            handle.cancel()
         self._pending = None
 
 
@@ -329,13 +350,12 @@ class StreamingSource(RolloutSource):
         self.cond = threading.Condition()
         self.ready: deque[_Group] = deque()
         self.todo: deque[dict] = deque()  # prompts to generate before drawing new ones from the loader
-        self.inflight: dict[Any, _Chunk] = {}
+        self.inflight: dict[CallHandle, _Chunk] = {}
         self.version = 0
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._restored: list[_Group] = []
-        self._weight_refs: list[Any] = []
         self.dropped = 0
         self.aborted = 0
         self.chunks_done = 0
@@ -344,60 +364,62 @@ class StreamingSource(RolloutSource):
     def start(self) -> None:
         super().start()
         self.version = self.trainer.global_step
-        self.workers = _rollout_workers(self.trainer)
+        self.group: WorkerGroup = self.trainer.groups.rollout
         self.ready.extend(self._restored)
         self._restored = []
         self._thread = threading.Thread(target=self._produce, name="polyrl-rollout-stream", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        import ray
-
         self._stop.set()
         with self.cond:
             self.cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=60)
             self._thread = None
-        if self._weight_refs:  # the last weights reach the rollout before the workers stop (bounded wait)
-            ray.wait(self._weight_refs, num_returns=len(self._weight_refs), timeout=30)
-            self._weight_refs = []
+        with self.cond:  # chunks not started yet are dropped (their prompts are in any snapshot taken before)
+            for handle in self.inflight:
+                handle.cancel()
+        groups = self.trainer.groups
+        if groups is not None:  # the last weights reach the rollout before the workers stop (bounded wait)
+            try:
+                groups.weight_sync.wait(timeout=30)
+            except Exception:  # the run is ending; a failed last load must not hide why
+                log.warning("the last weight load of the rollout failed", exc_info=True)
 
     # -- the producer thread
     def _take_rows(self, count: int) -> list[dict]:
         rows = []
         while len(rows) < count:
             if not self.todo:
-                self.todo.extend(self.trainer._next_rows())
+                self.todo.extend(self.trainer.next_rows())
             rows.append(self.todo.popleft())
         return rows
 
     def _produce(self) -> None:
-        import ray
-
         try:
             while not self._stop.is_set():
                 with self.cond:
                     busy = {c.worker for c in self.inflight.values()}
                     queued = len(self.ready) + sum(len(c.rows) for c in self.inflight.values())
-                    for i, worker in enumerate(self.workers):
+                    for i in range(self.group.world_size):
                         if i in busy or queued + self.chunk_groups > self.capacity:
                             continue
                         rows = self._take_rows(self.chunk_groups)
-                        sampling = self.trainer._sampling().replace(seed=self._seed(rows))
+                        sampling = self.trainer.sampling_params().replace(seed=self._seed(rows))
                         samples = [row for row in rows for _ in range(self.n)]
-                        self.inflight[worker.generate.remote(samples, sampling)] = _Chunk(rows, self.version, i)
+                        handle = self.group.call_rank_async(i, "generate", samples, sampling)
+                        self.inflight[handle] = _Chunk(rows, self.version, i)
                         queued += len(rows)
-                    refs = list(self.inflight)
-                if not refs:
+                    handles = list(self.inflight)
+                if not handles:
                     with self.cond:
                         self.cond.wait(timeout=0.05)
                     continue
-                done, _ = ray.wait(refs, num_returns=1, timeout=0.05)
-                for ref in done:
-                    batch = ray.get(ref)
+                for handle in wait_any(handles, timeout=0.05):
+                    batch = handle.result()
                     with self.cond:
-                        chunk = self.inflight.pop(ref)
+                        chunk = self.inflight.pop(handle)
                         self.chunks_done += 1
                         if chunk.aborted:  # generated on weights replaced meanwhile: generate again
                             self.aborted += len(chunk.rows)
@@ -446,25 +468,15 @@ class StreamingSource(RolloutSource):
 
     def push_weights(self) -> None:
         """Queue the actor's new weights on every rollout worker behind what it generates now; the trainer
-        does not wait for the load. ``trainer.weight_transfer=collective``: the actor gathers a packed copy
-        and broadcasts it from a background thread, which the rollout leaders join once their generation in
-        flight is done; ``object_store``: one gather, one ``ray.put``, one load per worker."""
-        import ray
-
+        does not wait for the load (:meth:`polyrl.trainer.weight_sync.CollectiveWeightSync.stage` / ``push``:
+        with ``trainer.weight_transfer=collective`` the actor gathers a packed copy and broadcasts it from a
+        background thread, which the rollout leaders join once their generation in flight is done;
+        ``object_store``: one gather, one shared copy, one load per worker)."""
         t = self.trainer
-        transfer = t.groups.weight_transfer
-        if transfer is not None:
-            ray.get(self._weight_refs)  # one snapshot at a time: the previous broadcast must be through
-            transfer.join()
-            ray.get([w.start_weight_send.remote() for w in t.groups.actor.workers])
-            targets = [(t.groups.rollout.workers[r], "receive_weights", ()) for r in transfer.leaders]
-        else:
-            buckets = next(b for b in t.groups.actor.call_all("gather_weights") if b is not None)
-            ref = ray.put(buckets)
-            ray.get(self._weight_refs)  # the previous load must be through before its buckets are dropped
-            targets = [(w, "load_rollout_weights", (ref,)) for w in self.workers]
+        sync = t.groups.weight_sync
+        sync.stage()  # the actor's gather; the previous push is through first (one snapshot at a time)
         with self.cond:  # the producer tags what it submits from now on with the new version
-            self._weight_refs = [getattr(w, method).remote(*args) for w, method, args in targets]
+            sync.push()
             self.version = t.global_step + 1
             if self.abort:
                 for chunk in self.inflight.values():
@@ -502,14 +514,15 @@ class StreamingSource(RolloutSource):
     def restore(self, path: str | Path, state: dict[str, Any] | None) -> None:
         if not state:
             return
-        if state.get("mode") != self.mode:
-            log.warning("the checkpoint's sample queue is from trainer.async_mode=%s; its prompts are generated "
-                        "again", state.get("mode"))
+        if state.get("mode") != self.mode:  # another mode's queue: its prompts are generated again, first
+            self.todo.extend(pending_prompts(state))
+            _log_handover(state, self.mode, len(self.todo))
+            return
         file = Path(path) / QUEUE_FILE
-        tensors = torch.load(file, weights_only=True) if file.exists() else {}
+        tensors = load_tensors(file) if file.exists() else {}
         groups = []
         for i, g in enumerate(state.get("groups") or []):
-            if state.get("mode") != self.mode or f"{i}/responses" not in tensors:
+            if f"{i}/responses" not in tensors:
                 self.todo.append(g["row"])
                 continue
             fields = {k[len(f"{i}/"):]: v for k, v in tensors.items() if k.startswith(f"{i}/")}

@@ -1,22 +1,31 @@
-"""Moving actor weights into a rollout pool of its own (``trainer.placement=split``).
+"""Weight sync: how the actor's weights reach the rollout after an update. This module owns every path.
 
-Two paths, chosen by ``trainer.weight_transfer``:
+Driver side, one class per path (:func:`make_weight_sync` picks it from the placement and
+``trainer.weight_transfer``); :class:`~polyrl.trainer.role_groups.RoleGroups` holds the run's:
 
-- ``object_store``: actor rank 0 returns its buckets to the driver, which hands them to every rollout rank
-  through Ray's object store (device -> host -> shared memory -> host -> device).
-- ``collective``: actor rank 0 and the rollout replicas' leaders form a process group of their own (a
-  c10d backend over a ``TCPStore`` on actor rank 0's node; ``platform.weight_sync_backend``: NCCL on CUDA,
-  HCCL on Ascend, gloo on CPU), and each bucket travels as one flat byte buffer
-  (:func:`polyrl.rollout.weights.pack_bucket`) in three broadcasts: a header, the bucket's JSON layout and
-  the bytes. On accelerators the bytes never leave device memory.
+- :class:`ColocatedWeightSync` (``trainer.placement=colocated`` and the ``local`` executor): each rank streams
+  its actor's weights into its own rollout, bucket by bucket, in-process (:func:`stream_into_rollout`).
+- :class:`ObjectStoreWeightSync` (split, ``trainer.weight_transfer=object_store``): actor rank 0 returns its
+  buckets to the driver (:func:`gather_buckets`), which shares them once (``WorkerGroup.share``: Ray's object
+  store) and has every rollout rank load them (:func:`load_buckets`): device -> host -> shared memory -> host
+  -> device.
+- :class:`CollectiveWeightSync` (split, ``collective``, what ``auto`` picks): actor rank 0 and the rollout
+  replicas' leaders form a process group of their own (a c10d backend over a ``TCPStore`` on actor rank 0's
+  node; ``platform.weight_sync_backend``: NCCL on CUDA, HCCL on Ascend, gloo on CPU), and each bucket travels
+  as one flat byte buffer (:func:`polyrl.rollout.weights.pack_bucket`) in three broadcasts: a header, the
+  bucket's JSON layout and the bytes (:func:`send_weights`, :func:`receive_weights`). On accelerators the bytes
+  never leave device memory. It measured 3-4x faster than the object store even on CPU (gloo over loopback;
+  docs/placement.md). Every actor rank takes part in the gather (``Engine.weights_for_rollout`` is collective
+  within the actor group); only rank 0 sends.
 
-``auto`` picks ``collective``: it measured 3-4x faster than the object store even on CPU (gloo over
-loopback; docs/placement.md), and on accelerators the bytes stay in device memory. Every actor rank takes part in the gather (``Engine.weights_for_rollout`` is
-collective within the actor group); only rank 0 sends.
+Each split path also pushes without waiting (``trainer.async_mode=fully_async``: :meth:`stage` then
+:meth:`push`): the rollout ranks' loads are queued behind the generation each runs, and the driver goes on.
+With ``collective`` the actor must not wait either: :class:`BackgroundSender` keeps a packed copy on actor
+rank 0 and broadcasts it from a thread, while each leader's receive waits behind its generation in flight
+(docs/async.md).
 
-``trainer.async_mode=fully_async`` must not hold the actor up while a rollout leader finishes the generation
-it runs: :class:`BackgroundSender` keeps a packed copy on actor rank 0 and broadcasts it from a thread, and
-each leader's receive is queued behind its generation in flight (docs/async.md).
+Worker side, the functions above run inside the role worker's methods of the same names
+(:class:`polyrl.trainer.role_worker.Worker`), which the driver calls through the worker groups.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from typing import Any
 
 import torch
 
+from polyrl.controller.worker_group import CallHandle, WorkerGroup
 from polyrl.rollout.weights import PackedEntry, pack_bucket, unpack_bucket
 
 logger = logging.getLogger(__name__)
@@ -230,21 +240,138 @@ def receive_weights(group: WeightGroup, rollout: Any) -> dict[str, float]:
     return {"timing/weight_receive": time.perf_counter() - start, "weight_sync/tensors": float(tensors)}
 
 
-class CollectiveWeightSync:
-    """Driver side of ``collective``: sets the group up on first use, then runs one sync per call.
+# ---------------------------------------------------------------------- worker side: in-process and object store
 
-    ``actor`` and ``rollout`` are Ray worker groups; ``leaders`` the rollout ranks that hold an engine
-    (every rank with ``tensor_parallel_size=1``; a replica's leader forwards to its other ranks).
+
+def stream_into_rollout(engine: Any, rollout: Any, bucket_bytes: int) -> dict[str, float]:
+    """Colocated: stream ``engine``'s weights into ``rollout`` (this process's), bucket by bucket.
+
+    Every actor rank iterates (the gather is collective); a rank without a rollout (one lending its device to a
+    tensor-parallel replica: its leader forwards the weights to every TP rank) only takes part in the gather.
+    """
+    start = time.perf_counter()
+    if rollout is not None:
+        rollout.wake_up()
+    count = 0
+    for bucket in engine.weights_for_rollout(bucket_bytes):
+        if rollout is not None:
+            rollout.update_weights(bucket)
+        count += len(bucket)
+    return {"timing/weight_sync": time.perf_counter() - start, "weight_sync/tensors": float(count)}
+
+
+def gather_buckets(engine: Any, bucket_bytes: int, *, keep: bool) -> list[list[tuple[str, torch.Tensor]]] | None:
+    """Object store, actor side: every rank iterates ``engine.weights_for_rollout`` (collective); the rank with
+    ``keep`` returns the buckets as host tensors, the others ``None``."""
+    buckets = [[(n, t.detach().cpu()) for n, t in bucket] for bucket in engine.weights_for_rollout(bucket_bytes)]
+    return buckets if keep else None
+
+
+def load_buckets(rollout: Any, buckets: Sequence[Sequence[tuple[str, torch.Tensor]]]) -> None:
+    """Object store, rollout side: wake ``rollout`` and load ``buckets`` into it (``None``: a rank without one)."""
+    if rollout is None:
+        return
+    rollout.wake_up()
+    for bucket in buckets:
+        rollout.update_weights(bucket)
+
+
+# ---------------------------------------------------------------------- driver side
+
+
+class ColocatedWeightSync:
+    """Actor and rollout in the same processes (``colocated`` placement, the ``local`` executor): every rank
+    streams its actor's weights into its own rollout (``Worker.sync_rollout_weights``)."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self.group = group
+
+    def sync(self) -> dict[str, float]:
+        """Actor weights -> rollout on every rank; rank 0's metrics."""
+        return dict(self.group.call_all("sync_rollout_weights")[0])
+
+    def stage(self) -> dict[str, float]:
+        """Not available: a colocated rollout cannot load while its actor trains (async modes need split)."""
+        raise RuntimeError("weights cannot be pushed in the background with colocated placement: the asynchronous "
+                           "modes need trainer.placement=split")
+
+    def push(self) -> None:
+        """See :meth:`stage`."""
+        self.stage()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Nothing is ever in flight: True."""
+        return True
+
+
+class _SplitWeightSync:
+    """What the split paths share: the actor and rollout groups and the loads in flight (:meth:`push`)."""
+
+    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup) -> None:
+        self.actor, self.rollout = actor, rollout
+        self._pending: list[CallHandle] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the loads of the last :meth:`push`; False if one still runs after ``timeout`` seconds (each
+        call waits up to it). Raises the error of a load that failed."""
+        while self._pending:
+            try:
+                self._pending[0].result(timeout)
+            except TimeoutError:
+                return False
+            self._pending.pop(0)
+        return True
+
+
+class ObjectStoreWeightSync(_SplitWeightSync):
+    """Split placement through the driver and Ray's object store (``trainer.weight_transfer=object_store``)."""
+
+    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup) -> None:
+        super().__init__(actor, rollout)
+        self._staged: Any = None
+
+    def _gather(self) -> Any:
+        """Actor rank 0's buckets (every actor rank gathers), shared once for every rollout rank."""
+        buckets = next(b for b in self.actor.call_all("gather_weights") if b is not None)
+        return self.rollout.share(buckets)
+
+    def sync(self) -> dict[str, float]:
+        """Gather, share, load on every rollout rank; returns when every rank holds the new weights."""
+        start = time.perf_counter()
+        self.rollout.call_all("load_rollout_weights", self._gather())
+        return {"timing/weight_sync": time.perf_counter() - start}
+
+    def stage(self) -> dict[str, float]:
+        """Gather the new weights for :meth:`push` (the actor waits for its gather only), then wait for the
+        previous push's loads: its buckets are dropped once these are staged."""
+        start = time.perf_counter()
+        self._staged = self._gather()
+        self.wait()
+        return {"timing/weight_gather": time.perf_counter() - start}
+
+    def push(self) -> None:
+        """Queue the staged weights' load on every rollout rank behind what it runs now; returns at once."""
+        if self._staged is None:
+            raise RuntimeError("ObjectStoreWeightSync.push() without stage()")
+        self._pending = [self.rollout.call_all_async("load_rollout_weights", self._staged)]
+        self._staged = None
+
+
+class CollectiveWeightSync(_SplitWeightSync):
+    """Split placement over a process group of actor rank 0 and the rollout leaders (``collective``); sets the
+    group up on first use.
+
+    ``leaders`` are the rollout ranks that hold an engine (every rank with ``tensor_parallel_size=1``; a
+    replica's leader forwards to its other ranks).
     """
 
-    def __init__(self, actor: Any, rollout: Any, leaders: Sequence[int]) -> None:
-        self.actor, self.rollout, self.leaders = actor, rollout, list(leaders)
+    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup, leaders: Sequence[int]) -> None:
+        super().__init__(actor, rollout)
+        self.leaders = list(leaders)
         self.joined = False
 
     def join(self) -> None:
         """Set the group up (on first use; later calls return at once)."""
-        import ray
-
         if self.joined:
             return
 
@@ -253,31 +380,65 @@ class CollectiveWeightSync:
         size = 1 + len(self.leaders)
         nodes = [self.actor.node_ids[0]] + [self.rollout.node_ids[i] for i in self.leaders]
         address, port = rendezvous_address(nodes)  # the store lives on actor rank 0's node
-        refs = [self.actor.workers[0].join_weight_group.remote(address, port, 0, size)]
-        refs += [self.rollout.workers[r].join_weight_group.remote(address, port, i + 1, size)
-                 for i, r in enumerate(self.leaders)]
-        ray.get(refs)  # the members meet in the backend's constructor: all at once
+        calls = [self.actor.call_rank_async(0, "join_weight_group", address, port, 0, size)]
+        calls += [self.rollout.call_rank_async(r, "join_weight_group", address, port, i + 1, size)
+                  for i, r in enumerate(self.leaders)]
+        for call in calls:  # the members meet in the backend's constructor: all submitted before any wait
+            call.result()
         self.joined = True
 
     def sync(self) -> dict[str, float]:
         """Actor weights -> every rollout leader; the actor's metrics of this sync."""
-        import ray
-
         self.join()
-        sends = [w.send_weights.remote() for w in self.actor.workers]
-        receives = [self.rollout.workers[r].receive_weights.remote() for r in self.leaders]
-        results = ray.get(sends + receives)
-        return results[0]
+        sends = self.actor.call_all_async("send_weights")
+        receives = [self.rollout.call_rank_async(r, "receive_weights") for r in self.leaders]
+        metrics = sends.result()[0]
+        for call in receives:
+            call.result()
+        return dict(metrics)
+
+    def stage(self) -> dict[str, float]:
+        """Wait for the previous push to be received, then have every actor rank gather the weights into a packed
+        copy that rank 0 starts broadcasting from a background thread (``Worker.start_weight_send``)."""
+        self.wait()  # one snapshot at a time: the previous broadcast must be through
+        self.join()
+        return dict(self.actor.call_all("start_weight_send")[0])
+
+    def push(self) -> None:
+        """Queue each leader's receive of the staged broadcast behind its generation in flight; returns at once."""
+        self._pending = [self.rollout.call_rank_async(r, "receive_weights") for r in self.leaders]
+
+
+#: What a run's weight sync is: one of the three classes above.
+WeightSync = ColocatedWeightSync | ObjectStoreWeightSync | CollectiveWeightSync
+
+
+def make_weight_sync(actor: WorkerGroup, rollout: WorkerGroup, *, colocated: bool, transfer: str | None = None,
+                     leaders: Sequence[int] | None = None) -> WeightSync:
+    """The weight sync of a placement: colocated (``actor is rollout``), or split with ``transfer`` (the resolved
+    ``trainer.weight_transfer``; ``leaders``: the rollout ranks holding an engine, default every rank)."""
+    if colocated:
+        return ColocatedWeightSync(actor)
+    if transfer == "collective":
+        return CollectiveWeightSync(actor, rollout, leaders if leaders is not None else range(rollout.world_size))
+    return ObjectStoreWeightSync(actor, rollout)
 
 
 __all__ = [
     "WEIGHT_TRANSFER_MODES",
     "BackgroundSender",
+    "ColocatedWeightSync",
     "CollectiveWeightSync",
+    "ObjectStoreWeightSync",
     "WeightGroup",
+    "WeightSync",
+    "gather_buckets",
     "join_weight_group",
+    "load_buckets",
+    "make_weight_sync",
     "new_backend_group",
     "receive_weights",
     "resolve_weight_transfer",
     "send_weights",
+    "stream_into_rollout",
 ]

@@ -10,7 +10,7 @@ import torch
 
 from polyrl.errors import ConfigError
 from polyrl.platforms.base import CPUPlatform
-from polyrl.trainer.weight_transfer import (
+from polyrl.trainer.weight_sync import (
     BackgroundSender,
     join_weight_group,
     receive_weights,
@@ -147,3 +147,62 @@ def test_unknown_mode_names_the_key():
     config = SimpleNamespace(trainer=SimpleNamespace(weight_transfer="nccl"))
     with pytest.raises(ConfigError, match="trainer.weight_transfer.*collective"):
         resolve_weight_transfer(config, CPUPlatform())
+
+
+class _RoleWorker:
+    """The weight-sync methods of the role worker, over the module's own worker-side functions."""
+
+    def __init__(self, *, rank: int, world_size: int, engine=None, rollout=None) -> None:
+        self.rank, self.actor, self.rollout = rank, engine, rollout
+
+    def gather_weights(self):
+        from polyrl.trainer.weight_sync import gather_buckets
+
+        return gather_buckets(self.actor, 1 << 20, keep=self.rank == 0)
+
+    def load_rollout_weights(self, buckets):
+        from polyrl.trainer.weight_sync import load_buckets
+
+        load_buckets(self.rollout, buckets)
+
+    def sync_rollout_weights(self):
+        from polyrl.trainer.weight_sync import stream_into_rollout
+
+        return stream_into_rollout(self.actor, self.rollout, 1 << 20)
+
+
+class _WakingRollout(_Rollout):
+    def __init__(self):
+        super().__init__()
+        self.wakes = 0
+
+    def wake_up(self):
+        self.wakes += 1
+
+
+def test_the_driver_side_paths_deliver_every_tensor():
+    """Each driver-side class over the local executor's groups: colocated streams in-process; the object store
+    gathers on the actor, shares once and loads the rollout, blocking (``sync``) or staged then pushed."""
+    from polyrl.controller.worker_group import LocalWorkerGroup
+    from polyrl.trainer.weight_sync import ColocatedWeightSync, ObjectStoreWeightSync, make_weight_sync
+
+    sent = [n for b in _buckets() for n, _ in b]
+    rollout = _WakingRollout()
+    both = LocalWorkerGroup(_RoleWorker, engine=_Engine(_buckets()), rollout=rollout)
+    colocated = make_weight_sync(both, both, colocated=True)
+    assert isinstance(colocated, ColocatedWeightSync)
+    assert colocated.sync()["weight_sync/tensors"] == len(sent) and [n for n, _ in rollout.loaded] == sent
+    with pytest.raises(RuntimeError, match="placement=split"):
+        colocated.stage()
+
+    rollout = _WakingRollout()
+    actor, rollouts = LocalWorkerGroup(_RoleWorker, engine=_Engine(_buckets())), LocalWorkerGroup(_RoleWorker, rollout=rollout)
+    store = make_weight_sync(actor, rollouts, colocated=False, transfer="object_store")
+    assert isinstance(store, ObjectStoreWeightSync)
+    store.sync()
+    with pytest.raises(RuntimeError, match="without stage"):
+        store.push()
+    store.stage()
+    assert [n for n, _ in rollout.loaded] == sent  # staged: gathered, not loaded yet
+    store.push()
+    assert store.wait(timeout=1) and [n for n, _ in rollout.loaded] == sent * 2 and rollout.wakes == 2

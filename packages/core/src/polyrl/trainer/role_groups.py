@@ -4,9 +4,9 @@
 and, when used, the reference and the critic (the hybrid engine; weights move
 in-process). ``split``: the rollout gets its own pool of
 ``trainer.rollout_workers`` processes and weights travel from actor rank 0
-through a process group or Ray's object store (``trainer.weight_transfer``,
-:mod:`polyrl.trainer.weight_transfer`). The ``local`` executor puts one rank of everything in
-the driver process.
+through a process group or Ray's object store (``trainer.weight_transfer``).
+:mod:`polyrl.trainer.weight_sync` holds every weight path. The ``local`` executor
+puts one rank of everything in the driver process.
 """
 
 from __future__ import annotations
@@ -25,6 +25,11 @@ from polyrl.manifest import Manifest
 from polyrl.protocols import SamplingParams
 from polyrl.rollout.replicas import Replica, plan_replicas, replica_call_args, replica_of
 from polyrl.trainer.role_worker import Worker
+from polyrl.trainer.weight_sync import WeightSync, make_weight_sync
+
+#: ``Platform.memory_stats`` keys (GiB) -> the metric names the trainer logs them under (verl's ``perf/*_gb``).
+MEMORY_METRICS = {"max_allocated_gib": "max_memory_allocated_gb", "reserved_gib": "memory_reserved_gb",
+                  "allocated_gib": "memory_allocated_gb", "max_rss_gib": "max_rss_gb"}
 
 
 @dataclass
@@ -39,9 +44,13 @@ class RoleGroups:
     owns_ray: bool = False
     #: Tensor-parallel rollout replicas over the rollout group's ranks (``None``: tp=1, one per rank).
     replicas: list[Replica] | None = None
-    #: Split placement with ``trainer.weight_transfer=collective``: the actor -> rollout process group
-    #: (:class:`polyrl.trainer.weight_transfer.CollectiveWeightSync`); ``None``: through the object store.
-    weight_transfer: Any = None
+    #: How actor weights reach the rollout (:mod:`polyrl.trainer.weight_sync`); ``None``: in-process when
+    #: colocated, through the object store when split.
+    weight_sync: WeightSync | None = None
+
+    def __post_init__(self) -> None:
+        if self.weight_sync is None:
+            self.weight_sync = make_weight_sync(self.actor, self.rollout, colocated=self.colocated)
 
     def generate(self, samples: list[dict], sampling: SamplingParams) -> TensorDict:
         """Generate for ``samples`` split over the rollout ranks (over the replicas' leaders when the
@@ -55,18 +64,27 @@ class RoleGroups:
         self.rollout.call_all("sleep_rollout")
         return batch
 
-    def sync_weights(self) -> None:
-        """Actor weights -> rollout (in-process when colocated; when split, through a process group or the
-        object store, ``trainer.weight_transfer``)."""
-        if self.colocated:
-            self.actor.call_all("sync_rollout_weights")
-        else:
-            if self.weight_transfer is not None:
-                self.weight_transfer.sync()
-            else:
-                buckets = next(b for b in self.actor.call_all("gather_weights") if b is not None)
-                self.rollout.call_all("load_rollout_weights", buckets)
+    def sync_weights(self) -> dict[str, float]:
+        """Actor weights -> rollout, blocking (in-process when colocated; when split, through a process group or
+        the object store, ``trainer.weight_transfer``); a split rollout then frees its memory until it generates."""
+        assert self.weight_sync is not None
+        metrics = self.weight_sync.sync()
+        if not self.colocated:
             self.rollout.call_all("sleep_rollout")
+        return metrics
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Each group's memory (``Platform.memory_stats`` of every rank, the largest): ``perf/<group>/<stat>``,
+        ``<group>`` being ``colocated`` (one group for every role) or ``actor`` and ``rollout`` (split)."""
+        named = [("colocated", self.actor)] if self.rollout is self.actor else [("actor", self.actor),
+                                                                               ("rollout", self.rollout)]
+        out: dict[str, float] = {}
+        for label, group in named:
+            for stats in group.call_all("memory_stats"):
+                for key, value in stats.items():
+                    name = f"perf/{label}/{MEMORY_METRICS.get(key, key)}"
+                    out[name] = max(out.get(name, float("-inf")), float(value))
+        return out
 
     def save_checkpoint(self, path: str) -> None:
         """Every group that trains something saves into ``path``."""
@@ -80,13 +98,20 @@ class RoleGroups:
         if self.critic is not None and self.critic is not self.actor:
             self.critic.call_all("load_checkpoint", path)
 
-    def shutdown(self) -> None:
-        """Stop every group once."""
+    def distinct(self) -> list[WorkerGroup]:
+        """Each group once (roles may share a group), in role order: actor, rollout, ref, critic."""
         seen: set[int] = set()
+        out = []
         for group in (self.actor, self.rollout, self.ref, self.critic):
             if group is not None and id(group) not in seen:
                 seen.add(id(group))
-                group.shutdown()
+                out.append(group)
+        return out
+
+    def shutdown(self) -> None:
+        """Stop every group once."""
+        for group in self.distinct():
+            group.shutdown()
         if self.owns_ray:
             import ray
 
@@ -165,7 +190,7 @@ def build_role_groups(config: Any, *, manifest: Manifest | None, use_ref: bool, 
         from polyrl.errors import ConfigError
 
         raise ConfigError(f"trainer.placement={trainer.placement!r}: choose 'colocated' or 'split'")
-    from polyrl.trainer.weight_transfer import CollectiveWeightSync, resolve_weight_transfer
+    from polyrl.trainer.weight_sync import resolve_weight_transfer
 
     transfer = resolve_weight_transfer(config, _platform(config)) if trainer.placement == "split" else None
     owns_ray = start_ray(config, run_dir)
@@ -184,9 +209,8 @@ def build_role_groups(config: Any, *, manifest: Manifest | None, use_ref: bool, 
         rollout = open_group(roles=["rollout"], name="rollout", world_size=trainer.rollout_workers)
         groups = _place_replicas(
             RoleGroups(actor, rollout, actor if use_ref else None, actor if use_critic else None, False, owns_ray), tp)
-        if transfer == "collective":
-            leaders = [r.leader for r in groups.replicas] if groups.replicas else list(range(rollout.world_size))
-            groups.weight_transfer = CollectiveWeightSync(actor, rollout, leaders)
+        leaders = [r.leader for r in groups.replicas] if groups.replicas else list(range(rollout.world_size))
+        groups.weight_sync = make_weight_sync(actor, rollout, colocated=False, transfer=transfer, leaders=leaders)
         return groups
     except BaseException:  # a group that failed to start (or a node check) must not leave Ray or workers behind
         for group in started:

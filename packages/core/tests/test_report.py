@@ -1,0 +1,183 @@
+"""``polyrl view``: the HTML run report, rendered in headless Chromium and checked for what a person sees.
+
+The run directory here is written by polyrl's own writers (the jsonl Tracker, the config dumper) plus
+validation-generation JSONL files in both accepted layouts and a PNG grid; integration_tests/
+test_view_profile_serve.py renders the report of a real training run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from polyrl.cli import main
+from polyrl.report import MAX_POINTS, read_generations, render_report, write_report
+
+ARTIFACTS = Path(__file__).resolve().parents[3] / "test-artifacts"
+#: The first curve colour (#1f77b4) and the grid image's colour, as RGB.
+CURVE_RGB = (0x1F, 0x77, 0xB4)
+GRID_RGB = (250, 20, 200)
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    from polyrl.config.loader import to_yaml
+    from polyrl.config.schema import PolyrlConfig
+    from polyrl.tracking import Tracker
+
+    run = tmp_path / "my-grpo-run"
+    tracker = Tracker(["jsonl"], run, project="p", experiment="e")
+    for step in range(0, 13):
+        row = {"val/arithmetic/mean@1": 0.1 + 0.05 * step} if step % 4 == 0 else {}
+        if step:
+            row.update({"critic/score/mean": 0.2 + 0.04 * step, "response_length/mean": 30.0 - step,
+                        "actor/pg_loss": 0.01 * (-1) ** step, "timing/step": 1.5, "timing/gen": 0.9,
+                        "my_plugin/odd_metric": float(step % 3)})
+        tracker.log(row, step)
+    tracker.close()
+    (run / "config.yaml").write_text(to_yaml(PolyrlConfig()))
+    (run / "manifest.lock.toml").write_text('[plugins]\nrequire = ["polyrl-engine-fsdp==0.1.0"]\n')
+    # verl's layout (trainer.validation_data_dir: one file per step, input/output/score)...
+    val = run / "validation_generations"
+    val.mkdir()
+    (val / "8.jsonl").write_text("".join(json.dumps({"input": f"What is {i}+{i}? <verl prompt>", "output": f"{2 * i}",
+                                                     "score": float(i % 2), "gts": str(2 * i), "step": 8}) + "\n"
+                                         for i in range(20)))
+    # ...and polyrl's (trainer.validation_data_dir=auto: RUN_DIR/generations/validation/<step>.jsonl), with a line
+    # cut short by a crash and a training row that is not shown
+    rows = [{"step": 12, "kind": "validation", "sample_id": "3/0", "uid": "3-ab", "data_source": "arithmetic",
+             "prompt": "Compute 7*6 <&escaped>", "response": "The answer is 42", "response_length": 5,
+             "ground_truth": "42", "score": 1.0, "reward": 1.0, "reward_extra": {"acc": True}},
+            {"step": 4, "kind": "validation", "prompt": "Compute 1+1", "response": "3", "score": 0.0},
+            {"step": 4, "kind": "train", "prompt": "a training prompt", "response": "x", "score": 0.0}]
+    (run / "generations" / "validation").mkdir(parents=True)
+    (run / "generations" / "validation" / "12.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows)
+                                                                 + '{"step": 12, "pro')
+    from PIL import Image
+
+    grid = Image.new("RGB", (256, 128), GRID_RGB)
+    (run / "images").mkdir()
+    grid.save(run / "images" / "val_step_12.png")
+    return run
+
+
+def test_report_reads_both_generation_layouts(run_dir):
+    gens = read_generations(run_dir)
+    assert sorted(gens) == [4, 8, 12]
+    assert len(gens[8]) == 20 and gens[8][3] == {"prompt": "What is 3+3? <verl prompt>", "response": "6",
+                                                 "score": 1.0, "gts": "6"}
+    assert gens[12] == [{"prompt": "Compute 7*6 <&escaped>", "response": "The answer is 42", "score": 1.0,
+                         "kind": "validation", "sample_id": "3/0", "uid": "3-ab", "data_source": "arithmetic",
+                         "response_length": 5, "ground_truth": "42", "reward": 1.0, "acc": True}]
+    assert [s["prompt"] for s in gens[4]] == ["Compute 1+1"]
+
+
+def test_report_is_self_contained(run_dir):
+    page = render_report(run_dir)
+    assert "<script" not in page and "<link" not in page and "@import" not in page
+    refs = re.findall(r"""(?:src|href)\s*=\s*["']?([^"' >]+)""", page)
+    assert refs and all(r.startswith("data:image/png;base64,") for r in refs), refs
+    assert "url(" not in page
+    assert 'http-equiv="refresh"' not in page
+    assert 'http-equiv="refresh"' in render_report(run_dir, live=True)
+
+
+def test_report_in_chromium_shows_curves_samples_images_and_config(run_dir):
+    from PIL import Image
+
+    from polyrl.testing.browser import chromium_or_skip, render
+
+    chromium = chromium_or_skip()
+    assert main(["view", str(run_dir)]) == 0
+    page = run_dir / "report.html"
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "report_unit.png"
+    shown = render(page, shot, height=4200, chromium=chromium)
+    dom = shown.dom
+    # the curves: panels with the logged metrics, one polyline per drawn series, the last values in the legends
+    for text in ("reward", "critic/score/mean", "validation", "val/arithmetic/mean@1", "policy loss",
+                 "time per phase (s)", "timing/gen", "every other metric (1)", "my_plugin/odd_metric"):
+        assert text in dom, text
+    svg_lines = re.findall(r'<polyline[^>]*points="([^"]+)"', dom)
+    assert len(svg_lines) >= 6 and all(len(p.split()) >= 2 for p in svg_lines)
+    assert "(0.68)" in dom  # critic/score/mean at step 12
+    # the samples, newest step open first, text escaped
+    assert (dom.index("step 12: 1 sample, mean score 1<") < dom.index("step 8: 20 samples, mean score 0.5<")
+            < dom.index("step 4: 1 sample, mean score 0<"))
+    assert "Compute 7*6 &lt;&amp;escaped&gt;" in dom and "The answer is 42" in dom
+    head = re.search(r"step 12: .*?</tr>", dom, re.S).group(0)
+    assert re.findall(r"<th>([^<]+)</th>", head) == ["#", "prompt", "response", "score", "ground_truth", "acc",
+                                                     "data_source", "response_length"]
+    assert "a training prompt" not in dom
+    assert "What is 3+3? &lt;verl prompt&gt;" in dom and "4 more samples of step 8" in dom
+    # the summary, the image and the config
+    assert "best val/arithmetic/mean@1 (step 12)" in dom and "last step" in dom
+    assert "images/val_step_12.png" in dom and "data:image/png;base64," in dom
+    assert "adv_estimator: grpo" in dom and "polyrl-engine-fsdp==0.1.0" in dom
+    # what a person sees: the curves' colour and the embedded image's colour are on the screen
+    img = Image.open(shot).convert("RGB")
+    assert img.size == (1280, 4200)
+    pixels = np.asarray(img, dtype=np.int16)
+
+    def near(rgb: tuple[int, int, int]) -> int:
+        return int((np.abs(pixels - np.array(rgb)) <= 12).all(-1).sum())
+
+    assert near(CURVE_RGB) > 1500, "the curves are not visible in the screenshot"
+    assert near(GRID_RGB) > 20_000, "the image grid is not visible in the screenshot"
+
+
+def test_long_runs_are_thinned_and_the_last_point_kept(tmp_path):
+    run = tmp_path / "long"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "critic/score/mean": s / 5000})
+                                               + "\n" for s in range(1, 5001)))
+    page = render_report(run)
+    points = re.search(r'<polyline[^>]*points="([^"]+)"', page).group(1).split()
+    assert len(points) == MAX_POINTS
+    assert "(1)" in page  # the legend's last value: step 5000's
+    assert len(page) < 200_000
+
+
+def test_view_bad_input_is_one_line(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["view", str(empty)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [f"polyrl view: error: {empty} has no metrics.jsonl: not a polyrl run directory, or a "
+                                "run whose trainer.logger leaves out jsonl (add it: trainer.logger=[console,jsonl])"]
+    (empty / "metrics.jsonl").write_text("")
+    assert main(["view", str(empty)]) == 2
+    assert "holds no metrics yet" in capsys.readouterr().err
+    assert main(["view", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no such run directory" in err
+    assert not (empty / "report.html").exists()
+
+
+def test_write_report_replaces_the_file_atomically(run_dir):
+    out = write_report(run_dir, live=True)
+    first = out.read_text()
+    out2 = write_report(run_dir)
+    assert out2 == out and out.read_text() != first
+    assert not list(run_dir.glob(".*.tmp"))
+
+
+def test_generations_from_the_configured_folder(tmp_path):
+    from polyrl.report import generation_files
+
+    run = tmp_path / "run"
+    (run / "dumps").mkdir(parents=True)
+    (run / "dumps" / "3.jsonl").write_text(json.dumps({"prompt": "p", "response": "r", "score": 0.5}) + "\n")
+    (run / "config.yaml").write_text("trainer:\n  validation_data_dir: dumps\n")
+    assert generation_files(run) == [run / "dumps" / "3.jsonl"]
+    assert read_generations(run) == {3: [{"prompt": "p", "response": "r", "score": 0.5}]}
+    (run / "config.yaml").write_text("trainer:\n  validation_data_dir: ''\n")
+    assert generation_files(run) == []
+    (run / "config.yaml").write_text("trainer:\n  validation_data_dir: auto\n")
+    (run / "generations" / "validation").mkdir(parents=True)
+    (run / "generations" / "validation" / "5.jsonl").write_text(json.dumps({"step": 5, "prompt": "q"}) + "\n")
+    assert list(read_generations(run)) == [5]

@@ -1,0 +1,196 @@
+"""``polyrl serve`` with the hf backend: the openai client against the real server over a tiny model.
+
+The in-process tests run :class:`polyrl.serving.hf_server.OpenAIServer` on a thread; the last one runs
+``polyrl serve`` as a process and stops it with SIGINT and SIGTERM, as a user would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from polyrl.cli import main  # noqa: E402
+from polyrl.serving.hf_server import HFGenerator, OpenAIServer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    generator = HFGenerator(tiny_model_dir)
+    srv = OpenAIServer(("127.0.0.1", 0), generator, "tiny")
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="unused", max_retries=0)
+
+
+def _reference_greedy(generator: HFGenerator, ids: list[int], max_new: int) -> str:
+    """transformers' own greedy generate, decoded the way the server decodes (up to the first eos)."""
+    import torch
+
+    out = generator.model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
+                                   eos_token_id=sorted(generator.eos_ids), pad_token_id=generator.tokenizer.pad_token_id)
+    new = out[0, len(ids):].tolist()
+    for i, t in enumerate(new):
+        if t in generator.eos_ids:
+            new = new[:i]
+            break
+    return generator.tokenizer.decode(new, skip_special_tokens=True).rstrip("\ufffd")  # an unfinished character
+
+
+def test_models_lists_the_served_name(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_completion_is_transformers_greedy_generation(client, server):
+    r = client.completions.create(model="tiny", prompt="1+2=", max_tokens=8, temperature=0)
+    gen = server.generator
+    assert r.choices[0].text == _reference_greedy(gen, gen.text_prompt("1+2="), 8)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(gen.text_prompt("1+2=")) and 0 < r.usage.completion_tokens <= 8
+
+
+def test_chat_renders_the_chat_template(client, server):
+    messages = [{"role": "user", "content": "What is 3+4?"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    gen = server.generator
+    ids = gen.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == _reference_greedy(gen, ids, 6)
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def test_streaming_gives_the_same_text_in_pieces(client):
+    kwargs = dict(model="tiny", max_tokens=10, temperature=0.9, seed=7)
+    whole = client.completions.create(prompt="5+5=", **kwargs).choices[0].text
+    chunks = list(client.completions.create(prompt="5+5=", stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks) == whole
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+    messages = [{"role": "user", "content": "hi"}]
+    whole = client.chat.completions.create(messages=messages, **kwargs).choices[0].message.content
+    events = list(client.chat.completions.create(messages=messages, stream=True, **kwargs))
+    assert events[0].choices[0].delta.role == "assistant"
+    assert "".join(e.choices[0].delta.content or "" for e in events) == whole
+    assert events[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_sampling_follows_the_seed(client):
+    kwargs = dict(model="tiny", prompt="7+1=", max_tokens=12, temperature=1.0)
+    a = client.completions.create(seed=1, **kwargs).choices[0].text
+    assert client.completions.create(seed=1, **kwargs).choices[0].text == a
+    others = {client.completions.create(seed=s, **kwargs).choices[0].text for s in range(2, 6)}
+    assert others - {a}, "different seeds always gave the same sample"
+
+
+def test_stop_strings_end_the_text_before_them(client):
+    kwargs = dict(model="tiny", prompt="9+9=", max_tokens=12, temperature=0)
+    full = client.completions.create(**kwargs).choices[0].text
+    if len(full) < 3:
+        pytest.skip(f"greedy completion too short to cut: {full!r}")
+    stop = full[2]
+    r = client.completions.create(stop=[stop], **kwargs).choices[0]
+    assert r.text == full[: full.index(stop)] and r.finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=[stop], stream=True, **kwargs))
+    assert streamed == r.text
+
+
+def test_n_choices_and_prompt_lists(client):
+    r = client.completions.create(model="tiny", prompt=["1+1=", "2+2="], n=2, max_tokens=3, temperature=0)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+
+
+def test_bad_requests_get_openai_errors(client):
+    with pytest.raises(openai.NotFoundError, match="serves 'tiny'"):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=7)
+    with pytest.raises(openai.BadRequestError, match="at most"):
+        client.completions.create(model="tiny", prompt="1" * 5000, max_tokens=2)
+
+
+# ---------------------------------------------------------------------- the command
+
+
+def test_serve_a_path_that_is_not_a_model_is_one_line(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("hello")
+    for path in (tmp_path, tmp_path / "notes.txt", tmp_path / "missing"):
+        assert main(["serve", str(path), "--backend", "hf", "--port", "0"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and str(path) in err and "checkpoint" in err, err
+
+
+def test_serve_on_a_port_in_use_is_one_line(tiny_model_dir, capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", str(tiny_model_dir), "--backend", "hf", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [f"polyrl serve: error: polyrl serve: port {port} on 127.0.0.1 is in use; choose "
+                                "another with --port"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_up(proc: subprocess.Popen, client, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            client.models.list()
+            return
+        except openai.APIConnectionError:
+            time.sleep(0.3)
+    raise AssertionError("polyrl serve did not come up")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_process_answers_then_stops_cleanly(tiny_model_dir, sig):
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen([sys.executable, "-m", "polyrl", "serve", str(tiny_model_dir), "--backend", "hf",
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        _wait_up(proc, client)
+        r = client.chat.completions.create(model=tiny_model_dir.name, messages=[{"role": "user", "content": "1+1"}],
+                                           max_tokens=4, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length")
+        # bound to loopback only: this machine's other addresses do not answer
+        rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+        listening = [r[1] for r in rows if r[1].endswith(f":{port:04X}") and r[3] == "0A"]
+        assert listening == [f"0100007F:{port:04X}"], listening
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert "slower" in err and err.strip().endswith("polyrl serve: stopped"), err
