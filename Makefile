@@ -26,8 +26,8 @@ TORCH := torch==2.13.0
 TORCH_PIN := -c requirements/torch.txt
 # The vLLM lock until the lead builds it (`make lock-vllm`): torch alone is pinned.
 VLLM_LOCK_C = $(if $(wildcard $(LOCK_VLLM)),-c $(LOCK_VLLM))
-# What .venv holds: the workspace packages (editable; the quickstart needs `plot` and `ray`, the suite `ray` and
-# `math`) and the dev tool sets.
+# What .venv holds: the workspace packages (editable; the quickstart needs `plot` and `ray`, the suite also `math`
+# and `tools`) and the dev tool sets.
 DEV_REQS := -e "packages/core[test,plot,ray,math,tools]" -e packages/engine-fsdp -e examples/plugins/polyrl-example \
 	-e packages/hw-ascend -e packages/hw-rocm -e packages/rollout-sglang \
 	-e packages/engine-megatron -e "packages/diffusion[ocr]" \

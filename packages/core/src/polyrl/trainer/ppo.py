@@ -421,7 +421,7 @@ class PPOTrainer:
         from polyrl.trainer.summary import log_run_end, metrics_rows
 
         try:
-            checkpoint = self.ckpt.latest()
+            checkpoint = self.ckpt.latest(verify=False)  # the newest one, just written by this run
         except Exception:  # the summary never hides how the run ended
             checkpoint = None
         log_run_end(verb="train", state=state, step=self.global_step, total=self.total_steps, seconds=seconds,

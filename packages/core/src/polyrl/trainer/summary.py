@@ -122,20 +122,22 @@ def finished_run(config: Any) -> dict[str, float] | None:
     run has steps left, or when that cannot be told without loading the data (``total_steps`` 0: epochs)."""
     from polyrl.errors import CheckpointError
     from polyrl.logs import setup_run_logging
-    from polyrl.trainer.checkpoint import CheckpointManager, read_state
+    from polyrl.trainer.checkpoint import STATE_FILE, read_state, verify_checkpoint
 
     t = config.trainer
     if not t.total_steps or str(t.resume) != "auto":
         return None
     run_dir = Path(t.run_dir).expanduser().resolve()
-    if not (run_dir / "checkpoints").is_dir():
-        return None
+    pointer = run_dir / "checkpoints" / "latest"
     try:
-        checkpoint = CheckpointManager(run_dir).latest()
-        step = int(read_state(checkpoint)["global_step"]) if checkpoint is not None else -1
-    except (CheckpointError, KeyError, ValueError):
-        return None  # the trainer reports what is wrong with the checkpoints
-    if checkpoint is None or step < t.total_steps:
+        checkpoint = run_dir / "checkpoints" / pointer.read_text().strip()
+        if not (checkpoint / STATE_FILE).exists():
+            return None
+        step = int(read_state(checkpoint)["global_step"])
+        if step < t.total_steps:
+            return None
+        verify_checkpoint(checkpoint)  # a damaged last checkpoint is not a finished run: the trainer says what to do
+    except (OSError, CheckpointError, KeyError, ValueError):
         return None
     setup_run_logging(run_dir)
     rows = metrics_rows(run_dir, list(t.logger), [])
