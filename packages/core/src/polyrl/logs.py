@@ -178,15 +178,15 @@ def _importable(name: str) -> bool:
 
 #: Path parts that mark a file as an installed third-party library (polyrl's own packages excepted).
 _LIBRARY_DIRS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
-_OWN_PACKAGES = ("polyrl", "polyrl_")
 _original_showwarning: Any = None
 
 
 def _from_library(filename: str) -> bool:
+    """Whether ``filename`` lies in an installed package other than polyrl's own (``polyrl``, ``polyrl_*``)."""
     for marker in _LIBRARY_DIRS:
         if marker in filename:
             top = filename.split(marker, 1)[1].split(os.sep, 1)[0]
-            return not (top == _OWN_PACKAGES[0] or top.startswith(_OWN_PACKAGES[1]))
+            return not (top == "polyrl" or top.startswith("polyrl_"))
     return False
 
 
