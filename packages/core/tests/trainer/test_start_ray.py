@@ -69,13 +69,19 @@ def test_config_address_wins_over_the_environment(fake_ray, monkeypatch, tmp_pat
     assert fake_ray[0]["address"] == "10.0.0.5:6379"
 
 
-@pytest.mark.parametrize(("trainer", "cpus"), [({"n_workers": 2}, 2), ({"n_workers": 2, "placement": "split",
-                                                                      "rollout_workers": 3}, 5)])
-def test_local_ray_has_one_cpu_per_worker_and_preloads_what_workers_import(fake_ray, tmp_path, trainer, cpus):
-    """Ray starts ``num_cpus`` worker processes ahead: one per worker the run starts, each importing torch, the
-    worker and the configured engine and rollout while Ray finishes starting (no spare process to feed)."""
-    start_ray(_config(**trainer, ray_num_cpus=0), tmp_path)
+@pytest.mark.parametrize(("trainer", "preloads"), [({"n_workers": 2, "ray_num_cpus": 2}, True),
+                                                    ({"n_workers": 1, "ray_num_cpus": 2}, True),
+                                                    ({"n_workers": 2, "ray_num_cpus": 16}, False)])
+def test_workers_started_ahead_preload_what_actors_import_when_they_will_be_used(fake_ray, tmp_path, trainer,
+                                                                                  preloads):
+    """Ray starts ``num_cpus`` worker processes ahead; when about that many workers are started, they import
+    torch, the worker and the configured engine and rollout while Ray finishes starting; with many spare
+    processes (more cores than workers) nothing is preloaded."""
+    start_ray(_config(**trainer), tmp_path)
     (kw,) = fake_ray
-    assert kw["num_cpus"] == cpus
-    preload = kw["_system_config"]["preload_python_modules"]
-    assert {"torch", "tensordict", "polyrl.trainer.role_worker", "polyrl.rollout.hf"} <= set(preload)
+    assert kw["num_cpus"] == trainer["ray_num_cpus"]
+    preload = kw["_system_config"].get("preload_python_modules", [])
+    if preloads:
+        assert {"torch", "tensordict", "polyrl.trainer.role_worker", "polyrl.rollout.hf"} <= set(preload)
+    else:
+        assert preload == []

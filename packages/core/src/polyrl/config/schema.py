@@ -291,8 +291,7 @@ class TrainerSection:
     rollout_workers: int = 1
     #: Platform name (``cpu``, ``cuda``, a plugin's ``npu``) or ``auto``.
     device: str = "auto"
-    #: CPUs the local Ray may use (0: one per worker process the run starts: ``n_workers``, plus
-    #: ``rollout_workers`` with ``placement=split``). Ray starts that many worker processes ahead.
+    #: CPUs Ray may use on this machine (0: all).
     ray_num_cpus: int = 0
     #: Join this Ray cluster (``ray://host:10001``, ``host:6379`` or ``auto``) instead of starting a local Ray
     #: bound to loopback (empty: the ``RAY_ADDRESS`` environment variable, if set); see docs/cluster.md.

@@ -322,10 +322,14 @@ def start_ray(config: Any, run_dir: Path) -> bool:
         return True
     temp_dir = ray_temp_dir(run_dir)
     t = config.trainer
-    # one CPU per worker the run starts: Ray starts that many worker processes ahead (each importing the modules
-    # below while Ray finishes starting), and each actor takes one of them
-    num_cpus = t.ray_num_cpus or t.n_workers + (t.rollout_workers if t.placement == "split" else 0)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what Ray gives an actor of one CPU; set before the preload
+    workers = t.n_workers + (t.rollout_workers if t.placement == "split" else 0)
+    num_cpus = t.ray_num_cpus or max(os.cpu_count() or 1, workers)
+    # Ray starts num_cpus worker processes ahead and the actors take them. When that is about the number of
+    # workers the run starts, those processes import torch, the worker, the engine and the rollout while Ray
+    # finishes starting (an actor then only builds its models); on a machine with many more cores than workers
+    # the spare processes would import them for nothing.
+    preload = {"preload_python_modules": worker_modules(config)} if num_cpus <= workers + 1 else {}
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what Ray gives an actor of one CPU; set before a preload
     ray.init(
         num_cpus=num_cpus,
         _temp_dir=str(temp_dir),
@@ -333,7 +337,7 @@ def start_ray(config: Any, run_dir: Path) -> bool:
         include_dashboard=False,
         log_to_driver=True,
         logging_level=logging.INFO,
-        _system_config={"preload_python_modules": worker_modules(config)},
+        _system_config=preload,
     )
     route_ray_worker_output()
     return True
