@@ -96,11 +96,13 @@ def test_ctrl_c_stops_at_a_step_boundary_and_the_run_resumes(base_overrides, man
 
 
 def test_a_second_ctrl_c_aborts_ray_run_with_one_line_and_it_resumes(base_overrides, manifest_file, tmp_path):
+    """Ray mode (the worker process ignores SIGINT; the driver decides): two Ctrl-C abort with one line. The run
+    resumes from its last checkpoint, here with the local executor (one worker: the same single rank)."""
     run = tmp_path / "run"
-    cmd = _cmd(manifest_file, base_overrides + ["trainer.executor=ray", "trainer.n_workers=2", "trainer.ray_num_cpus=2",
-                                                 "trainer.total_steps=4", "trainer.save_freq=1", "trainer.test_freq=0",
-                                                 "trainer.val_before_train=false", "trainer.logger=[console,jsonl]"])
-    code, out = _interrupt(cmd, 2, 0.0, twice=True)
+    common = base_overrides + ["trainer.n_workers=1", "trainer.total_steps=4", "trainer.save_freq=1",
+                               "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.logger=[console,jsonl]"]
+    code, out = _interrupt(_cmd(manifest_file, common + ["trainer.executor=ray", "trainer.ray_num_cpus=2"]), 2, 0.0,
+                           twice=True)
     assert code == 130, out
     assert "Traceback" not in out and console_noise(out) == [], out
     assert out.strip().splitlines()[-1] == ("polyrl train: aborted by Ctrl-C (started again, the run resumes from its "
@@ -108,6 +110,7 @@ def test_a_second_ctrl_c_aborts_ray_run_with_one_line_and_it_resumes(base_overri
     saved = sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*"))
     assert saved and saved[-1] >= 1  # whole checkpoints only (atomic: an aborted save leaves none half-written)
 
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(_cmd(manifest_file, common + ["trainer.executor=local"]), capture_output=True, text=True,
+                           timeout=600)
     assert again.returncode == 0, again.stderr
     assert _steps(run) == [1, 2, 3, 4]
