@@ -210,8 +210,9 @@ dist: install
 	for p in $(ALL_PACKAGES); do $(BIN)/python -m build --no-isolation --quiet --outdir $(DIST) packages/$$p || exit 1; done
 	@ls $(DIST)
 
-# Each package alone, from its wheel, in a fresh venv with only its declared dependencies (torch 2.13.0 from one
-# shared torch-only venv), then its smoke tests (`-m smoke`) and `polyrl plugins` (.ci/test_packages.py).
+# Each package alone, from its wheel, in a fresh venv with only its declared dependencies (torch 2.13.0, the core's
+# dependencies and pytest seen from one shared base venv), then its smoke tests (`-m smoke`) and `polyrl plugins`
+# (.ci/test_packages.py).
 PKG_VENVS := .venv-packages
 test-packages: dist
 	$(PYTHON) .ci/test_packages.py --dist $(DIST) --venvs $(PKG_VENVS) $(ALL_PACKAGES)
