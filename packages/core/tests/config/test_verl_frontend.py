@@ -73,6 +73,7 @@ def test_mapped_targets_are_polyrl_keys():
             assert _schema_has(PolyrlConfig, target), f"{entry.verl} maps to {target}, which polyrl does not have"
 
 
+@pytest.mark.smoke  # also on the core installed alone from its wheel: the trees ship as package data
 def test_shipped_trees_hold_exactly_the_captured_keys_and_defaults():
     for name, flat in FIXTURE["trees"].items():
         assert flatten(shipped_tree(name)) == flat, f"polyrl/config/verl_defaults/{name}.yaml differs from the fixture"
