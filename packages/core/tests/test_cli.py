@@ -24,10 +24,12 @@ def plugins_json(capsys, *args: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.smoke
 def test_version():
     assert run("--version").stdout.strip() == f"polyrl {__version__}"
 
 
+@pytest.mark.smoke
 def test_console_script_is_installed():
     script = Path(sys.executable).parent / "polyrl"
     if not script.exists():
@@ -38,6 +40,7 @@ def test_console_script_is_installed():
     assert proc.returncode == 0 and proc.stdout.strip() == f"polyrl {__version__}"
 
 
+@pytest.mark.smoke
 def test_plugins_json_lists_builtins_and_their_names(capsys):
     data = plugins_json(capsys)
     assert data["polyrl_version"] == __version__ and data["manifest"] is None

@@ -90,3 +90,27 @@ def test_log_failure_sends_traceback_at_debug(caplog):
         log_failure("it broke", "Traceback: here")
     assert [(r.levelname, r.getMessage().splitlines()[0]) for r in caplog.records] == [
         ("DEBUG", "it broke"), ("ERROR", "it broke")]
+
+
+def test_library_warnings_and_logs_go_to_the_run_log_ours_to_the_console(tmp_path):
+    """In a fresh interpreter: a warning raised inside an installed library and a library logger's WARNING land in
+    train.log only; the library's ERROR, and a warning raised by the user's own code, still reach the console."""
+    code = f"""
+import logging, warnings
+from polyrl.logs import route_library_logger, setup_run_logging
+setup_run_logging({str(tmp_path)!r})
+warnings.warn_explicit("deprecated thing", FutureWarning, "/venv/lib/python3.11/site-packages/somelib/mod.py", 7)
+warnings.warn_explicit("yours", UserWarning, "/home/me/my_reward.py", 3)
+lib = logging.getLogger("somelib")
+lib.addHandler(logging.StreamHandler())  # the library's own stderr handler, replaced below
+route_library_logger("somelib")
+lib.warning("token notice")
+lib.error("it failed")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr
+    assert "deprecated thing" not in err and "token notice" not in err
+    assert "yours" in err and "error: it failed" in err
+    text = (tmp_path / "train.log").read_text()
+    assert "deprecated thing" in text and "WARNING somelib: token notice" in text and "ERROR somelib: it failed" in text

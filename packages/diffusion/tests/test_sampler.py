@@ -11,6 +11,8 @@ from polyrl_diffusion.sampler import check_sampler_config, plan_steps, sde_step,
 
 from polyrl.errors import ConfigError
 
+pytestmark = pytest.mark.smoke  # also run on the package installed alone (make test-packages)
+
 
 def test_step_log_prob_is_the_gaussian_density_averaged_over_latent_elements():
     g = torch.Generator().manual_seed(0)

@@ -9,6 +9,8 @@ from transformers import AutoConfig
 
 from polyrl.errors import ConfigError
 
+pytestmark = pytest.mark.smoke  # also run on the package installed alone (make test-packages)
+
 
 def cfg(arch: str = "qwen2", **kw):
     base = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,

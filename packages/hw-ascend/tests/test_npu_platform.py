@@ -23,6 +23,8 @@ from polyrl_hw_ascend.platform import NPUPlatform
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_torch_npu  # noqa: E402
 
+pytestmark = pytest.mark.smoke  # also run on the package installed alone (make test-packages)
+
 HAS_NPU = NPUPlatform().is_available()
 
 

@@ -21,6 +21,8 @@ from polyrl.plugins import PluginManager
 from polyrl.testing import PlatformConformance
 from polyrl_hw_rocm.platform import ROCmPlatform
 
+pytestmark = pytest.mark.smoke  # also run on the package installed alone (make test-packages)
+
 HAS_ROCM = ROCmPlatform().is_available()
 
 

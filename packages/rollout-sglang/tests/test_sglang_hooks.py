@@ -14,6 +14,8 @@ from polyrl.errors import RegistryError
 from polyrl.manifest import Manifest
 from polyrl.plugins import PluginManager
 
+pytestmark = pytest.mark.smoke  # also run on the package installed alone (make test-packages)
+
 CODE = """
 import sys
 from polyrl.plugins import PluginManager

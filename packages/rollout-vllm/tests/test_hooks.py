@@ -5,6 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.smoke  # also run on the package installed alone (make test-packages): no vLLM there
+
 CODE = """
 import sys
 from polyrl.plugins import PluginManager
@@ -34,3 +38,14 @@ def test_entry_point_registers_rollout_and_schema_lazily():
     assert "rollout VLLMRollout" in lines
     # building the rollout imports vLLM, importing its module does not
     assert "vllm imported after loading the class: False" in lines
+
+
+def test_without_vllm_the_rollout_names_the_install_line(monkeypatch):
+    """Building the rollout where vLLM does not import (the package installed without an extra) is one error that
+    says which extra to install."""
+    from polyrl_rollout_vllm.rollout import INSTALL_HINT, import_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what Python does for a module that is not installed
+    with pytest.raises(Exception, match="polyrl-rollout-vllm") as err:
+        import_vllm()
+    assert INSTALL_HINT in str(err.value)

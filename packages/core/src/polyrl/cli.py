@@ -87,10 +87,11 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     """RL post-training."""
     from polyrl.trainer.commands import train
+    from polyrl.trainer.interrupt import stopped_by_ctrl_c
 
     train(args.manifest, args.config, args.overrides, config_format=args.config_format,
           config_path=args.config_path, config_name=args.config_name, dry_run=args.dry_run)
-    return 0
+    return 130 if stopped_by_ctrl_c() else 0  # stopped at a step boundary by Ctrl-C: resumable, but not done
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -267,6 +268,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `polyrl plugins | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:  # a second Ctrl-C (the first stops `train` at a step boundary): one line, no traceback
+        resumes = " (started again, the run resumes from its last checkpoint)" if args.command == "train" else ""
+        print(f"polyrl {args.command}: aborted by Ctrl-C{resumes}", file=sys.stderr)
+        return 130
     except Exception as exc:
         verbose = args.traceback or os.environ.get("POLYRL_DEBUG") == "1"
         remote = worker_error(exc)

@@ -73,6 +73,7 @@ def test_mapped_targets_are_polyrl_keys():
             assert _schema_has(PolyrlConfig, target), f"{entry.verl} maps to {target}, which polyrl does not have"
 
 
+@pytest.mark.smoke  # also on the core installed alone from its wheel: the trees ship as package data
 def test_shipped_trees_hold_exactly_the_captured_keys_and_defaults():
     for name, flat in FIXTURE["trees"].items():
         assert flatten(shipped_tree(name)) == flat, f"polyrl/config/verl_defaults/{name}.yaml differs from the fixture"
@@ -294,6 +295,10 @@ def test_quickstart_verl_config_resolves_to_the_native_one():
     native = load_config(PolyrlConfig, [q / "grpo.yaml"], ["model.path=/m", "trainer.run_dir=r"])
     mapped = load_config(PolyrlConfig, [q / "grpo_verl.yaml"], [f"{ARR}.model.path=/m", "trainer.default_local_dir=r",
                                                                 "+trainer.progress_bar=false"])
+    from polyrl.trainer.executor import resolve_executor
+
+    for cfg in (native, mapped):  # grpo.yaml names ray; verl's layout leaves auto, which its 2 workers make ray
+        resolve_executor(cfg)
     a, b = to_dict(native), to_dict(mapped)
     for key in ("data", "rollout", "algorithm", "reward"):
         assert a[key] == b[key], key

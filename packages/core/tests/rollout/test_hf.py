@@ -16,6 +16,7 @@ def hf_rollout(tiny_model_dir, tiny_tokenizer):
     return HFRollout(RolloutConfig(max_batch_size=8), model_path=str(tiny_model_dir), tokenizer=tiny_tokenizer)
 
 
+@pytest.mark.smoke
 class TestHFRolloutConformance(RolloutConformance):
     @pytest.fixture
     def rollout(self, hf_rollout):
@@ -160,3 +161,34 @@ def test_update_weights_takes_a_mixtures_per_expert_checkpoint_names(arch, tmp_p
         assert torch.allclose(rollout.model(ids).logits, reference(ids).logits, atol=1e-6)
         assert not torch.allclose(AutoModelForCausalLM.from_config(reference.config)(ids).logits,
                                   reference(ids).logits, atol=1e-3)
+
+
+def _forward_takes_cache(model_cls: type) -> type:
+    """A test double of transformers >= 5.24's API on top of the installed model class: ``forward`` takes the KV
+    cache as ``cache`` and refuses the old name ``past_key_values`` (which 5.24 deprecates and 5.40 removes)."""
+
+    class CacheNamed(model_cls):  # type: ignore[misc,valid-type]
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, **kwargs):
+            if "past_key_values" in kwargs:
+                raise TypeError("forward() got an unexpected keyword argument 'past_key_values'")
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   past_key_values=cache, **kwargs)
+
+    return CacheNamed
+
+
+def test_decoding_passes_the_cache_under_the_name_the_model_takes(tiny_model_dir, tiny_tokenizer):
+    """transformers renamed ``past_key_values`` to ``cache``: the rollout passes its own cache under whichever name
+    the model's forward declares, and samples the same tokens either way."""
+    from polyrl.models.kv_cache import cache_keyword
+
+    reqs = [GenerationRequest([5, 6, 7], SamplingParams(temperature=1.0, max_new_tokens=6, seed=4, n=3)),
+            GenerationRequest([9, 10], SamplingParams(temperature=1.0, max_new_tokens=6, seed=4))]
+    old_style = HFRollout(RolloutConfig(max_batch_size=8), model_path=str(tiny_model_dir), tokenizer=tiny_tokenizer)
+    new_style = HFRollout(RolloutConfig(max_batch_size=8), model_path=str(tiny_model_dir), tokenizer=tiny_tokenizer)
+    new_style.model.__class__ = _forward_takes_cache(type(new_style.model))
+    assert cache_keyword(new_style.model) == "cache"
+    a, b = old_style.generate(reqs), new_style.generate(reqs)
+    assert [r.response_ids for r in a] == [r.response_ids for r in b]
+    for x, y in zip(a, b):
+        assert torch.allclose(torch.tensor(x.log_probs), torch.tensor(y.log_probs), atol=1e-6)

@@ -97,17 +97,19 @@ class _Head(nn.Module):
             hidden = backbone(attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                               **text).last_hidden_state
         else:
-            from transformers import DynamicCache
+            from polyrl.models.kv_cache import cache_kwargs, new_cache
 
-            cache = DynamicCache(config=backbone.config)
+            # our own cache, filled in place and passed under the name the model's forward takes (transformers
+            # renamed past_key_values to cache); never read back from the output
+            cache = new_cache(backbone)
+            cached = cache_kwargs(backbone, cache)
             text = {"input_ids": prompt_ids} if images is None else {
                 "inputs_embeds": embed_with_images(backbone, prompt_ids, images, image_mask)}
-            prefix = backbone(attention_mask=prompt_mask, position_ids=prompt_positions,
-                              past_key_values=cache, use_cache=True, **text)
-            cache = prefix.past_key_values
+            prefix = backbone(attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True,
+                              **cached, **text)
             cache.reorder_cache(prompt_of_row)  # index_select: gradients of every row flow back to its prompt
             rest = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=cache, use_cache=True).last_hidden_state
+                            use_cache=True, **cached).last_hidden_state
             hidden = torch.cat([prefix.last_hidden_state[prompt_of_row, -1:], rest[:, :-1]], dim=1)
         h = hidden.reshape(-1, hidden.shape[-1])[index]
         if self.model_type == "value":
@@ -777,9 +779,14 @@ class FSDPEngine:
                         "model_type": self.model_type, "fingerprint": self._fingerprint(), "format": "polyrl-fsdp-1"}
                 (tmp / "meta.json").write_text(json.dumps(meta))
 
-    def load_checkpoint(self, path: str) -> None:
-        """Restore what :meth:`save_checkpoint` wrote; ``CheckpointError`` names a world-size or model mismatch."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+    def load_checkpoint(self, path: str, *, model_only: bool = False) -> None:
+        """Restore what :meth:`save_checkpoint` wrote; ``CheckpointError`` names a world-size or model mismatch.
+
+        ``model_only``: the model's weights alone (``polyrl export``), from a checkpoint written by any number
+        of ranks (torch.distributed.checkpoint reshards them onto this group); the optimizer, LR schedule, RNG
+        and step keep their fresh values, so this is no resume.
+        """
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         folder = Path(path)
         meta_file = folder / "meta.json"
@@ -790,12 +797,17 @@ class FSDPEngine:
             raise CheckpointError(f"{folder} was written by another engine (format {meta.get('format')!r}, expected "
                                   f"'polyrl-fsdp-1'); load it with the engine that wrote it, or export it to HF and "
                                   f"set {self.role}.model.path to the export")
-        if meta["world_size"] != self._world:
+        if meta["world_size"] != self._world and not model_only:
             raise CheckpointError(f"checkpoint {folder} was written by {meta['world_size']} ranks; this {self.role} "
                                   f"group has {self._world}. Resume with the same trainer.n_workers.")
         if meta["fingerprint"] != self._fingerprint():
             raise CheckpointError(f"checkpoint {folder} holds a different model (parameter names/shapes differ from "
                                   f"{self.role}.model.path={self.config.model.path})")
+        if model_only:
+            weights = {"model": get_state_dict(self.module, [])[0]}
+            load_dcp(weights, folder)  # only the model's entries are read
+            set_state_dict(self.module, [], model_state_dict=weights["model"], optim_state_dict={})
+            return
         state = self._dcp_state()
         load_dcp(state, folder)  # refuses pickled code in the metadata and non-tensor items
         if self.optimizer is not None:

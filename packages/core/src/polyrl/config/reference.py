@@ -70,6 +70,48 @@ def _rows(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+#: The page's opening example: a whole GRPO run, everything else at its default.
+MINIMAL_EXAMPLE = """\
+# run.yaml: GRPO on GSM8K-style data with the FSDP engine (polyrl-engine-fsdp) and the built-in hf rollout
+model:
+  path: Qwen/Qwen2.5-0.5B-Instruct   # the policy (and the critic's starting point, if the estimator needs one)
+data:
+  train_files: [data/train.parquet]
+  val_files: [data/test.parquet]
+  train_batch_size: 32               # prompts per step
+  max_response_length: 512
+actor:
+  ppo_mini_batch_size: 16            # prompts per optimizer step
+  optim: {lr: 1.0e-6}
+rollout:
+  n: 8                               # samples per prompt (the GRPO group)
+algorithm:
+  adv_estimator: grpo
+trainer:
+  total_epochs: 1
+  test_freq: 10
+  run_dir: runs/gsm8k-grpo
+"""
+
+#: How the top-level ``model`` block relates to each role's ``model``.
+MODEL_BLOCKS = """\
+## `model` and `actor.model`
+
+The top-level `model` block is a shorthand: it is the model every role trains or starts from. When the
+config is loaded it is merged into `actor.model` and `critic.model` (the reference uses the actor's), and a
+key a role sets in its own block wins for that role. So `model.path=X` trains X; `model.path=X
+critic.model.path=Y` trains the policy X with a critic started from Y; `actor.model.lora.rank=16` gives the
+actor an adapter without touching the critic. After loading, the roles' blocks hold the values the engines
+use (`RUN_DIR/config.yaml` shows them), and the top-level `model` keeps what the files and overrides gave it.
+The rollout serves the actor's model (`actor.model.path`) and receives the trained weights every step."""
+
+
+def undocumented_keys() -> list[str]:
+    """Keys of the generated page whose row has no description (``#:`` comment or dataclass docstring)."""
+    return [f"{title}: {key}" for title, cls in (("polyrl train", PolyrlConfig), ("polyrl sft", SFTConfig))
+            for key, _tp, _default, doc in _rows(cls, "") if not doc.strip()]
+
+
 def render() -> str:
     """The whole configuration reference as Markdown."""
     out = [
@@ -80,6 +122,18 @@ def render() -> str:
         "An unknown key is an error with a did-you-mean; every error names the key and the file it came from.",
         "A config in verl's layout is read too and mapped onto these keys ([from_verl.md](from_verl.md)); "
         "`polyrl config show` prints what a config resolves to.",
+        "",
+        "A minimal run: every key it does not set takes the default listed below.",
+        "",
+        "```yaml",
+        MINIMAL_EXAMPLE.rstrip(),
+        "```",
+        "",
+        "```bash",
+        "polyrl train --config run.yaml trainer.total_epochs=2   # key=value overrides win over the file",
+        "```",
+        "",
+        MODEL_BLOCKS,
         "",
     ]
     for title, cls in (("polyrl train", PolyrlConfig), ("polyrl sft", SFTConfig)):

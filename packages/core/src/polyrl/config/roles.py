@@ -27,9 +27,13 @@ from typing import Any
 class LoRAConfig:
     """LoRA through peft. ``rank=0`` disables it."""
 
+    #: LoRA rank (the adapter's inner dimension); 0 trains the full model.
     rank: int = 0
+    #: LoRA scaling numerator: the adapter's update is scaled by ``alpha / rank``.
     alpha: int = 16
+    #: Dropout on the adapter's input during training.
     dropout: float = 0.0
+    #: Modules that get an adapter: peft names or patterns (``q_proj``...), or ``all-linear``.
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     #: What ``weights_for_rollout`` sends: ``merged`` full weights or the ``adapter`` alone.
     sync: str = "merged"
@@ -43,13 +47,20 @@ class ModelConfig:
     read and the weights are freshly initialised (seeded): tiny models for tests.
     """
 
+    #: A local HF model folder or a Hub id (``Qwen/Qwen2.5-0.5B``); required (``???`` means unset).
     path: str = "???"
+    #: The tokenizer's folder or Hub id (``null``: the model's own, from ``path``).
     tokenizer_path: str | None = None
+    #: Read only ``config.json`` from ``path`` and initialise the weights from ``actor.seed`` (tests, tiny models).
     random_init: bool = False
+    #: Let transformers run the model's own code from its folder. Off unless you trust the model's source
+    #: (docs/security.md).
     trust_remote_code: bool = False
     #: Storage dtype of the trained parameters (``float32``; mixed precision is per engine).
     dtype: str = "float32"
+    #: transformers' attention kernel: ``sdpa``, ``eager``, ``flash_attention_2``...
     attn_implementation: str = "sdpa"
+    #: Recompute activations in the backward pass (less memory, about a third more compute).
     gradient_checkpointing: bool = False
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     #: Extra keyword arguments for the HF config (``{"num_hidden_layers": 2}``).
@@ -63,9 +74,13 @@ class ModelConfig:
 class OptimConfig:
     """AdamW with linear warmup and a learning-rate schedule by transformers' name (:mod:`polyrl.lr_schedules`)."""
 
+    #: Peak learning rate (after warmup).
     lr: float = 1e-6
+    #: AdamW's decoupled weight decay.
     weight_decay: float = 0.01
+    #: AdamW's ``(beta1, beta2)``.
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    #: AdamW's epsilon.
     eps: float = 1e-8
     #: The LR schedule, by transformers' name: constant, linear, cosine, cosine_with_restarts, polynomial,
     #: inverse_sqrt, warmup_stable_decay, ... (``constant`` and ``cosine`` warm up; ``cosine`` ends at ``min_lr_ratio``).
@@ -85,6 +100,7 @@ class OptimConfig:
     lr_scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
     #: Optimizer steps of the whole run; the trainer fills it in.
     total_steps: int = 0
+    #: Clip the gradients' global L2 norm to this value before each optimizer step (0: no clipping).
     grad_clip: float = 1.0
     #: The fused AdamW kernel (one kernel over all parameters): ``None`` uses it where the engine's device
     #: supports it (CUDA, CPU, ...), ``false`` falls back to the multi-tensor (``foreach``) implementation.
@@ -95,6 +111,8 @@ class OptimConfig:
 class EngineRoleConfig:
     """A training-side role (actor, critic, reference) and how its engine batches."""
 
+    #: The training engine, by its registered name (``fsdp``, ``megatron``, a plugin's); its options go in the
+    #: block of the same name (``actor.fsdp: {...}``).
     engine: str = "fsdp"
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -108,6 +126,7 @@ class EngineRoleConfig:
     use_remove_padding: bool = False
     #: Chunk size (tokens) of the log-prob / entropy computation over the vocabulary.
     logits_chunk_size: int = 1024
+    #: Seed of the role's fresh weights: ``model.random_init``, a critic's new value head, LoRA adapters.
     seed: int = 1
     #: The engine plugin's own options (its registered schema), set from the block named after ``engine``.
     plugin_config: Any = None
@@ -117,29 +136,42 @@ class EngineRoleConfig:
 class RolloutConfig:
     """The generation side. Sampling fields follow verl's ``rollout`` block."""
 
+    #: The rollout, by its registered name: ``hf`` (built in), ``vllm``, ``sglang``, a plugin's; its options go
+    #: in the block of the same name (``rollout.vllm: {...}``).
     name: str = "hf"
+    #: Sampling temperature of training rollouts (the trainer recomputes log-probs at the same temperature).
     temperature: float = 1.0
+    #: Nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p`` (1.0: off).
     top_p: float = 1.0
+    #: Sample among the ``top_k`` most likely tokens (-1: off).
     top_k: int = -1
     #: Samples per prompt (GRPO's group size).
     n: int = 4
+    #: Set by the trainer from ``data.max_prompt_length``.
     prompt_length: int = 512
+    #: Set by the trainer from ``data.max_response_length``: the most tokens generated per response.
     response_length: int = 512
     #: Longest prompt + response the rollout accepts; 0 means ``prompt_length + response_length``.
     max_model_len: int = 0
+    #: Token ids that end a response besides the tokenizer's EOS.
     stop_token_ids: list[int] = field(default_factory=list)
     #: Sequences generated together by a batch rollout (``hf``).
     max_batch_size: int = 64
     #: Devices one rollout engine shards the model over (a replica of this many workers on one node; must
     #: divide the rollout workers). >1 needs a rollout that supports it (``vllm``, ``sglang``).
     tensor_parallel_size: int = 1
+    #: Fraction of an accelerator's memory a rollout engine may take for weights and KV cache (vLLM, SGLang).
     gpu_memory_utilization: float = 0.5
     #: Release memory around generation when colocated with training (``sleep``/``wake_up``).
     free_cache_engine: bool = True
+    #: Dtype of the rollout's copy of the weights (``float32``, ``bfloat16``, ``float16``).
     dtype: str = "float32"
+    #: The rollout engine's own random seed (vLLM, SGLang); each step's sampling is seeded from ``trainer.seed``.
     seed: int = 0
-    #: Sampling for validation.
+    #: Sampling temperature for validation (0: greedy).
     val_temperature: float = 0.0
+    #: Nucleus sampling for validation.
     val_top_p: float = 1.0
+    #: Samples per validation prompt: ``mean@1`` scores the first, ``pass@k`` / ``mean@k`` all ``k``.
     val_n: int = 1
     plugin_config: Any = None

@@ -20,7 +20,10 @@ from polyrl.rewards.config import RewardConfig
 class DataConfig:
     """Training and validation data (verl's row format; see docs/rewards_and_data.md)."""
 
+    #: Training prompts: parquet or JSON-lines files of verl-format rows (``prompt``, ``data_source``,
+    #: ``reward_model.ground_truth``...), or ``save_to_disk`` folders of HF datasets.
     train_files: list[str] = field(default_factory=list)
+    #: Validation prompts, in the same format (empty: no validation).
     val_files: list[str] = field(default_factory=list)
     #: Prompts per training step (each sampled ``rollout.n`` times).
     train_batch_size: int = 16
@@ -32,8 +35,12 @@ class DataConfig:
     max_response_length: int = 256
     #: ``error`` | ``left`` | ``right`` | ``filter`` (drop over-long prompts and count them).
     truncation: str = "filter"
+    #: Render each row's ``prompt`` messages with the tokenizer's chat template (and its generation prompt);
+    #: false, or a tokenizer without a template: the messages' text joined by newlines.
     apply_chat_template: bool = True
+    #: Shuffle the training prompts each epoch.
     shuffle: bool = True
+    #: Seed of that shuffle.
     seed: int = 1
     #: Use at most this many validation prompts (0: all).
     val_max_samples: int = 0
@@ -57,11 +64,18 @@ class DataConfig:
 class PolicyLossConfig:
     """verl's ``actor.policy_loss`` block."""
 
+    #: The policy loss, by registered name: ``vanilla`` (PPO's clipped loss), ``gspo``, ``gpg``, ``clip_cov``,
+    #: ``kl_cov``, ``cispo``, ``sapo``, ``geo_mean``, ``dro``, ``dppo_tv``, ``dppo_kl``, ``bypass_mode``, a plugin's.
     loss_mode: str = "vanilla"
+    #: ``clip_cov``: fraction of tokens whose gradient is cut (those with the largest advantage-log-prob covariance).
     clip_cov_ratio: float = 0.0002
+    #: ``clip_cov``: lower bound of the covariance a cut token may have.
     clip_cov_lb: float = 1.0
+    #: ``clip_cov``: upper bound of the covariance a cut token may have.
     clip_cov_ub: float = 5.0
+    #: ``kl_cov``: fraction of tokens (largest covariance) that get the KL penalty.
     kl_cov_ratio: float = 0.0002
+    #: ``kl_cov``: coefficient of that penalty, ``|log p - log p_old|``.
     ppo_kl_coef: float = 0.1
     #: Truncated importance sampling against the rollout's own log-probs (0 disables). Kept for old configs:
     #: it means ``algorithm.rollout_correction.rollout_is: token`` with ``rollout_is_threshold`` = this cap.
@@ -80,22 +94,32 @@ class ActorConfig(EngineRoleConfig):
 
     #: Prompts per optimizer step (times ``rollout.n`` rows).
     ppo_mini_batch_size: int = 8
+    #: Passes over each step's batch (each pass one optimizer step per mini-batch).
     ppo_epochs: int = 1
+    #: Shuffle the rows before each pass over the batch.
     shuffle: bool = False
     #: ``auto``: skip the separate old-log-prob forward pass when the update is on-policy (one PPO epoch,
     #: one mini-batch per step, no KL in the reward); the update then uses its own detached log-probs as the
     #: old ones, which is the same number. ``always``: recompute them every step.
     recompute_old_log_prob: str = "auto"
+    #: PPO's clip range: the probability ratio is clipped to ``[1 - clip_ratio, 1 + clip_ratio]``.
     clip_ratio: float = 0.2
+    #: The lower side of that range alone (``null``: ``clip_ratio``).
     clip_ratio_low: float | None = None
+    #: The upper side alone (``null``: ``clip_ratio``; DAPO's clip-higher raises it, e.g. 0.28).
     clip_ratio_high: float | None = None
     #: Dual-clip lower bound for negative advantages.
     clip_ratio_c: float = 3.0
+    #: How token losses become the batch loss: ``token-mean``, ``token-sum``, ``seq-mean-token-sum``,
+    #: ``seq-mean-token-mean``, ``seq-mean-token-sum-norm`` (verl's names; docs/algorithms.md).
     loss_agg_mode: str = "token-mean"
+    #: Entropy bonus: ``entropy_coeff`` times the policy's entropy is subtracted from the loss (0: none).
     entropy_coeff: float = 0.0
     #: KL to the reference policy as a loss term (GRPO style) instead of in the reward.
     use_kl_loss: bool = False
+    #: Weight of that KL loss.
     kl_loss_coef: float = 0.001
+    #: KL estimator of that loss: ``kl`` (k1), ``abs``, ``mse`` (k2), ``low_var_kl`` (k3).
     kl_loss_type: str = "low_var_kl"
     #: ``seq-mean-token-sum-norm``'s divisor (verl's ``loss_scale_factor``); null: the response width.
     loss_scale_factor: float | None = None
@@ -110,9 +134,13 @@ class CriticConfig(EngineRoleConfig):
     #: (trained even when the estimator does not read its values); ``false``: never, and an estimator (or recipe)
     #: that needs one is refused at start-up (verl's ``critic.enable``).
     enable: str = "auto"
+    #: Prompts per critic optimizer step (times ``rollout.n`` rows).
     ppo_mini_batch_size: int = 8
+    #: Passes of the critic over each step's batch.
     ppo_epochs: int = 1
+    #: Value clipping: new values stay within this distance of the old ones in the value loss.
     cliprange_value: float = 0.5
+    #: How token value losses become the batch loss (as ``actor.loss_agg_mode``).
     loss_agg_mode: str = "token-mean"
     #: Optimizer steps on the critic before the actor starts updating.
     warmup_steps: int = 0
@@ -125,8 +153,11 @@ class RefConfig:
     With a LoRA actor the reference is the actor with its adapter disabled (no second model).
     """
 
-    enable: str = "auto"  # auto | true | false
-    engine: str = ""  # empty: the actor's engine
+    #: ``auto`` (on when a KL term is used), ``true`` or ``false``.
+    enable: str = "auto"
+    #: The reference's engine (empty: the actor's).
+    engine: str = ""
+    #: Sequences per micro-batch of the reference's log-prob pass.
     micro_batch_size: int = 8
     plugin_config: Any = None
 
@@ -135,9 +166,13 @@ class RefConfig:
 class KLControlConfig:
     """KL coefficient controller for KL-in-reward: ``fixed`` or ``adaptive``."""
 
+    #: ``fixed`` or ``adaptive`` (the coefficient moves to keep the KL near ``target_kl``).
     type: str = "fixed"
+    #: The KL coefficient (``adaptive``: its starting value).
     kl_coef: float = 0.001
+    #: ``adaptive``: samples over which the coefficient adapts (larger: slower).
     horizon: int = 10000
+    #: ``adaptive``: the KL the coefficient steers towards.
     target_kl: float = 0.1
 
 
@@ -145,7 +180,10 @@ class KLControlConfig:
 class FilterGroupsConfig:
     """DAPO dynamic sampling: drop groups whose samples all got the same ``metric`` and refill."""
 
+    #: Turn dynamic sampling on.
     enable: bool = False
+    #: The per-sample value that must vary within a group: a key of the reward function's dict (``acc``,
+    #: ``score``...).
     metric: str = "acc"
     #: Generation rounds per step before giving up on filling the batch (0: unlimited).
     max_num_gen_batches: int = 4
@@ -176,17 +214,25 @@ class RolloutCorrectionConfig:
 class AlgorithmConfig:
     """How advantages and KL are computed (verl's ``algorithm`` block)."""
 
+    #: The advantage estimator, by registered name: ``grpo``, ``gae`` (PPO with a critic), ``rloo``,
+    #: ``reinforce_plus_plus``, ``remax``, ``opo``, ``gpg``, ``grpo_passk``, ``gdpo``, ... (docs/algorithms.md).
     adv_estimator: str = "grpo"
+    #: Discount factor (``gae``, ``reinforce_plus_plus``).
     gamma: float = 1.0
+    #: GAE's lambda.
     lam: float = 1.0
+    #: GRPO: divide each advantage by its group's reward std (false: Dr. GRPO's mean-only centring).
     norm_adv_by_std_in_grpo: bool = True
+    #: Subtract ``kl_ctrl.kl_coef`` times the KL to the reference from the token rewards (PPO style).
     use_kl_in_reward: bool = False
+    #: KL estimator for the reward penalty: ``kl`` (k1), ``abs``, ``mse`` (k2), ``low_var_kl`` (k3).
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     #: GDPO: the reward components (keys of the reward function's dict) normalised one by one, and their weights.
     gdpo_reward_keys: list[str] = field(default_factory=list)
+    #: One weight per ``gdpo_reward_keys`` entry (``null``: equal weights).
     gdpo_reward_weights: list[float] | None = None
     #: Extra estimator arguments (``pass_k`` for grpo_passk, ...).
     extra: dict[str, Any] = field(default_factory=dict)
@@ -245,13 +291,18 @@ class TrainerSection:
     name: str = "ppo"
     #: Where everything of this run goes (config, manifest, metrics, checkpoints, plots).
     run_dir: str = "runs/polyrl"
+    #: The W&B project and MLflow experiment (``trainer.logger``).
     project_name: str = "polyrl"
+    #: The run's name in W&B and MLflow.
     experiment_name: str = "run"
+    #: Passes over the training prompts (used when ``total_steps`` is 0).
     total_epochs: int = 1
     #: Stop after this many steps (0: run ``total_epochs``).
     total_steps: int = 0
-    #: ``ray`` (worker groups of Ray actors) or ``local`` (every role in this process, one rank).
-    executor: str = "ray"
+    #: ``auto``, ``ray`` (worker groups of Ray actors; ``pip install 'polyrl[ray]'``) or ``local`` (every role in
+    #: this process, one rank). ``auto``: ``local`` unless the run needs several processes (``n_workers > 1``,
+    #: ``placement=split``, an async mode, ``ray_address``), then ``ray``. See docs/running.md, "Executors".
+    executor: str = "auto"
     #: Worker processes per role group (data-parallel size).
     n_workers: int = 1
     #: Which pool of worker processes holds each role: ``colocated`` (every role shares each worker), ``split``
@@ -303,7 +354,9 @@ class TrainerSection:
     validation_data_dir: str = "auto"
     #: The first N validation samples as a table in TensorBoard / W&B / MLflow, where those loggers are on (0: none).
     log_val_generations: int = 10
+    #: A step progress bar on the console (log lines print above it).
     progress_bar: bool = True
+    #: The run's seed: driver RNG, each worker's (plus its rank), each step's sampling seed.
     seed: int = 1
     #: Weight sync bucket size in MiB.
     weight_bucket_mb: int = 256

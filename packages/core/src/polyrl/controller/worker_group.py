@@ -268,6 +268,26 @@ class LocalWorkerGroup:
             close()
 
 
+def _ray_actor_class(worker_cls: type) -> type:
+    """``worker_cls`` as a Ray actor: its constructor takes ``actor_env`` (``LOCAL_RANK``... set before the
+    worker's own constructor runs) and the process ignores SIGINT: a Ctrl-C in a terminal reaches every process
+    of the foreground group, and the driver decides when the run stops (polyrl.trainer.interrupt)."""
+
+    class RayActor(worker_cls):  # type: ignore[misc,valid-type]
+        def __init__(self, *, actor_env: dict[str, str], **kwargs: Any) -> None:
+            import signal
+            import threading
+
+            os.environ.update(actor_env)
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+            super().__init__(**kwargs)
+
+    RayActor.__name__ = worker_cls.__name__  # what Ray shows in its logs and errors
+    RayActor.__doc__ = worker_cls.__doc__
+    return RayActor
+
+
 def _wait_all(refs: list[Any]) -> list[Any]:
     """``ray.get(refs)`` that returns soon after one of them failed: ``ray.get`` waits for every ref, and a rank
     whose peer died may wait for it until the rendezvous times out (30 minutes). The error raised is the
@@ -332,7 +352,6 @@ class RayWorkerGroup:
                 f"worker group '{name}': Ray could not place {world_size} worker(s) of {bundle} each with strategy "
                 f"{strategy} in 600 s (cluster resources: {ray.cluster_resources()}). Add nodes or resources, "
                 "lower trainer.n_workers / trainer.rollout_workers, or relax trainer.placement_strategy") from None
-        env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
         # Each worker learns its position on its node as LOCAL_RANK (torchrun's convention); the platform
         # binds the device from it and from the device ids Ray assigned (polyrl.platforms.devices).
         nodes = _bundle_nodes(self.placement_group, world_size)
@@ -340,13 +359,17 @@ class RayWorkerGroup:
         self.node_ids = nodes
         self.local_ranks = node_local_ranks(nodes)
         own_rendezvous = "master_port" in init_kwargs and "master_addr" not in init_kwargs
-        remote_cls = ray.remote(worker_cls)
+        remote_cls = ray.remote(_ray_actor_class(worker_cls))
         options: dict[str, Any] = {"num_cpus": bundle.get("CPU", 1)}
         extra = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
         if bundle.get("GPU"):
             options["num_gpus"] = bundle["GPU"]
         if extra:
             options["resources"] = extra
+        if env:  # variables a process must have from its start (Ray reads some before the constructor runs)
+            options["runtime_env"] = {"env_vars": dict(env)}
+        # No runtime_env otherwise: an actor with one waits for a new worker process of its own, while one
+        # without takes a worker Ray started ahead (seconds faster to a ready group; docs/benchmarks.md)
         for attempt in range(PORT_ATTEMPTS):
             if own_rendezvous:
                 # torch.distributed meets at rank 0's node (loopback when every rank is on the driver's node)
@@ -358,10 +381,10 @@ class RayWorkerGroup:
                     name=None,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
                                                                          placement_group_bundle_index=i),
-                    runtime_env={"env_vars": {**env_vars, "LOCAL_RANK": str(self.local_ranks[i]),
-                                              "LOCAL_WORLD_SIZE": str(nodes.count(nodes[i]))}},
                     **options,
-                ).remote(rank=i, world_size=world_size, **init_kwargs)
+                ).remote(rank=i, world_size=world_size, actor_env={
+                    "LOCAL_RANK": str(self.local_ranks[i]), "LOCAL_WORLD_SIZE": str(nodes.count(nodes[i])),
+                    "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false")}, **init_kwargs)
                 for i in range(world_size)
             ]
             try:

@@ -11,7 +11,9 @@ class CustomRewardFunctionConfig:
     """verl's ``custom_reward_function`` spelling of ``reward.function``: ``path`` (a .py file) and ``name``
     (the function in it; default ``compute_score``)."""
 
+    #: The Python file that defines the reward function.
     path: str | None = None
+    #: The function in it (``null``: ``compute_score``).
     name: str | None = None
 
 
@@ -87,6 +89,8 @@ class RewardConfig:
 
     #: Reward manager: ``naive`` (one call per sample), ``batch`` (one call for the batch), ``dapo``.
     manager: str = "naive"
+    #: Empty (the function registered for each row's ``data_source``), a registered reward function's name, or
+    #: ``path/to/file.py:function`` (verl's ``compute_score`` signature).
     function: str = ""
     #: verl's spelling (``reward.custom_reward_function.path``/``.name``), accepted beside ``function``;
     #: giving both is an error unless they name the same function.
@@ -102,7 +106,10 @@ class RewardConfig:
     num_workers: int = 4
     #: DAPO overlong penalty: on, buffer length (tokens) and penalty factor.
     overlong_buffer_enable: bool = False
+    #: Length of the buffer zone before the length budget (tokens): a response inside it is penalised in
+    #: proportion to how far it reaches.
     overlong_buffer_len: int = 16
+    #: The penalty at the end of the buffer (subtracted from the score).
     overlong_penalty_factor: float = 1.0
     #: Response length budget used by the overlong penalty (0: the batch's response width).
     max_response_length: int = 0

@@ -28,7 +28,7 @@ log = logging.getLogger("polyrl.rewards")
 
 __all__ = ["MathVerifier", "MathVerifyTimeout", "get_math_verifier", "math_verify_available"]
 
-INSTALL_HINT = "MATH scoring needs the math-verify library (a polyrl dependency): pip install math-verify"
+INSTALL_HINT = "MATH scoring needs the math-verify library (an extra of polyrl): pip install 'polyrl[math]'"
 
 
 #: seconds a new child may take to start and import math_verify (sympy), not counted in a call's timeout

@@ -41,12 +41,9 @@ def reward_function_for(data_source: str) -> Any:
     from polyrl.plugins import get_plugin_manager
 
     registry = get_plugin_manager().registry("reward_function")
-    for entry in registry.entries():
-        if data_source in entry.metadata.get("data_sources", ()):
-            return entry.load()
-    for entry in registry.entries():
-        if any(data_source.startswith(p) for p in entry.metadata.get("data_source_prefixes", ())):
-            return entry.load()
+    entry = _entry_for(registry, data_source)
+    if entry is not None:
+        return entry.load()
     sources = sorted({s for e in registry.entries() for s in e.metadata.get("data_sources", ())}
                      | {f"{p}*" for e in registry.entries() for p in e.metadata.get("data_source_prefixes", ())})
     raise NotImplementedError(
@@ -65,6 +62,45 @@ def has_reward_function(reward: Any, data_source: str) -> bool:
     except NotImplementedError:
         return False
     return True
+
+
+def check_reward_requirements(spec: str, data_sources: Any, plugins: Any = None) -> None:
+    """Before any worker starts: a ConfigError with the install line when a reward function the run will call
+    (the one ``spec`` names, or with an empty ``spec`` the one registered for each of ``data_sources``) declares
+    modules (registration metadata ``requires_modules`` and ``install``) that are not installed, e.g. the MATH
+    scorers without ``math-verify`` (``pip install 'polyrl[math]'``)."""
+    if spec and (".py:" in spec or spec.endswith(".py")):
+        return  # the user's own file: its imports ran when it was loaded
+    from polyrl.plugins import get_plugin_manager
+
+    registry = (plugins or get_plugin_manager()).registry("reward_function")
+    entries = []
+    if spec:
+        try:
+            entries.append((registry.entry(spec), f"reward.function={spec}"))
+        except LookupError:
+            return  # reported by load_compute_score
+    else:
+        for source in sorted({str(s) for s in data_sources}):
+            entry = _entry_for(registry, source)
+            if entry is not None:
+                entries.append((entry, f"data_source '{source}'"))
+    for entry, why in entries:
+        missing = [m for m in entry.metadata.get("requires_modules", ()) if importlib.util.find_spec(m) is None]
+        if missing:
+            install = entry.metadata.get("install") or f"pip install {' '.join(missing)}"
+            raise ConfigError(f"{why} is scored by reward function '{entry.name}', which needs "
+                              f"{', '.join(missing)} (not installed): {install}")
+
+
+def _entry_for(registry: Any, data_source: str) -> Any:
+    for entry in registry.entries():
+        if data_source in entry.metadata.get("data_sources", ()):
+            return entry
+    for entry in registry.entries():
+        if any(data_source.startswith(p) for p in entry.metadata.get("data_source_prefixes", ())):
+            return entry
+    return None
 
 
 def reward_function_spec(reward: Any) -> str:

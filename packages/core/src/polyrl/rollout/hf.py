@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from polyrl.models.kv_cache import cache_kwargs, new_cache
 from polyrl.protocols import GenerationRequest, GenerationResult, RolloutCapabilities, SamplingParams
 from polyrl.rollout.limits import check_model_length
 
@@ -97,7 +98,10 @@ class HFRollout:
         lengths = torch.zeros(b, dtype=torch.long, device=self.device)
         stopped = torch.zeros(b, dtype=torch.bool, device=self.device)
         position = (mask.cumsum(-1) - 1).clamp(min=0)
-        past = None
+        # our own cache object, filled in place by every forward (never read back from the output, whose field
+        # transformers renamed): polyrl.models.kv_cache
+        past = new_cache(self.model)
+        cached = cache_kwargs(self.model, past)
         cur_ids, cur_pos, attn = ids, position, mask
         stop_t = torch.tensor(sorted(stop), device=self.device) if stop else None
         # Rows still generating (indices into the batch); finished rows leave the batch and its KV cache,
@@ -105,9 +109,8 @@ class HFRollout:
         live = torch.arange(b, device=self.device)
         extra = {"logits_to_keep": 1} if self._keeps_logits else {}  # no [prompt x vocab] logits at prefill
         for t in range(params.max_new_tokens):
-            out = self.model(input_ids=cur_ids, attention_mask=attn, position_ids=cur_pos, past_key_values=past,
-                             use_cache=True, **extra)
-            past = out.past_key_values
+            out = self.model(input_ids=cur_ids, attention_mask=attn, position_ids=cur_pos, use_cache=True, **cached,
+                             **extra)
             logits = out.logits[:, -1, :].float()
             if t == 0 and expand is not None:  # one prefilled row per distinct prompt -> one row per sample
                 past.reorder_cache(expand)

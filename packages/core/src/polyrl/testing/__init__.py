@@ -44,14 +44,22 @@ DEVICE_MARKERS = {
 }
 
 
+#: The marker of a package's smoke tests: what ``make test-packages`` runs against the package installed alone
+#: from its wheel (so they import nothing beyond its declared dependencies and pytest).
+SMOKE_MARKER = "smoke: a fast check run on the package installed alone from its wheel (make test-packages)"
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the device markers (``gpu``, ``npu``, ``rocm``) for every suite that uses this plugin."""
+    """Register the device markers (``gpu``, ``npu``, ``rocm``) and ``smoke`` for every suite that uses this
+    plugin."""
     for name, what in DEVICE_MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {what}")
+    config.addinivalue_line("markers", SMOKE_MARKER)
 
 
 __all__ = [
     "DEVICE_MARKERS",
+    "SMOKE_MARKER",
     "PluginHarness",
     "polyrl_plugin_manager",
     "polyrl_plugins",

@@ -176,6 +176,22 @@ class ToolSchemaError(ConfigError):
     """A tool's schema is not a valid OpenAI function schema (or its parameters not valid JSON Schema)."""
 
 
+#: What installs the JSON Schema checker the tools need.
+TOOLS_INSTALL = "pip install 'polyrl[tools]'"
+
+
+def require_jsonschema() -> Any:
+    """The ``jsonschema`` module (an extra of polyrl: ``polyrl[tools]``), or a ConfigError with the install line."""
+    try:
+        import jsonschema
+    except ImportError:
+        from polyrl.errors import ConfigError
+
+        raise ConfigError(f"agent tools check their JSON schemas and arguments with jsonschema, which is not "
+                          f"installed: {TOOLS_INSTALL}") from None
+    return jsonschema
+
+
 def validate_tool_schema(schema: Any, where: str = "tool") -> dict[str, Any]:
     """Check an OpenAI function schema; return it, or raise :class:`ToolSchemaError` naming what is wrong.
 
@@ -196,8 +212,7 @@ def validate_tool_schema(schema: Any, where: str = "tool") -> dict[str, Any]:
     params = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, Mapping) or params.get("type") != "object":
         raise ToolSchemaError(f"{where}: 'parameters' of '{name}' must be a JSON Schema with type 'object'")
-    import jsonschema
-
+    jsonschema = require_jsonschema()
     try:
         jsonschema.Draft202012Validator.check_schema(dict(params))
     except jsonschema.SchemaError as exc:
@@ -215,8 +230,7 @@ def check_arguments(schema: Mapping[str, Any], arguments: Any) -> None:
     """Raise ``ValueError`` (shown to the model) when ``arguments`` do not match the tool's parameters."""
     if not isinstance(arguments, Mapping):
         raise ValueError(f"arguments must be a JSON object, got {type(arguments).__name__}")
-    import jsonschema
-
+    jsonschema = require_jsonschema()
     params = schema["function"]["parameters"]
     errors = sorted(jsonschema.Draft202012Validator(params).iter_errors(dict(arguments)), key=lambda e: list(e.path))
     if errors:

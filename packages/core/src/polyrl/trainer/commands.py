@@ -67,6 +67,12 @@ def train(manifest: str | Path | Manifest | None = None, configs: Sequence[str |
                     or str(config.critic.enable).lower() == "true")
     sections = ["actor", "rollout"] + (["critic"] if needs_critic else [])
     _check_names(config, pm, sections)
+    if not dry_run:  # (a dry run checks everything, finished or not)
+        from polyrl.trainer.summary import finished_run
+
+        done = finished_run(config)  # started again after its last step: say so, start nothing (no torch, no Ray)
+        if done is not None:
+            return done
     trainer = _trainer_factory(config, pm)(config, manifest=manifest, plugins=pm)
     if dry_run:
         trainer.check_placement()
@@ -115,6 +121,12 @@ def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manife
     (``trainer.name``'s ``worker_cls``, e.g. polyrl-diffusion's image worker), so a plugin trainer's checkpoint
     exports in its own format (a diffusion run writes a diffusers pipeline folder).
 
+    The export runs in this process, without Ray or worker processes, when the checkpoint fits one process: the
+    actor's engine runs on one rank (no tensor or pipeline parallelism) and can read the weights of a checkpoint
+    written by any number of ranks (its ``load_checkpoint`` takes ``model_only``; the fsdp engine's does).
+    Otherwise it starts the run's worker group. ``trainer.executor=...`` (or ``trainer.n_workers=...``) among
+    ``overrides`` decides instead.
+
     A run directory may come from someone else, so exporting it runs nothing from it unless asked
     (docs/security.md): the checkpoint's files are verified and loaded as data only; a run config that sets
     ``actor.model.trust_remote_code`` is refused unless ``trust_remote_code`` (``--trust-remote-code``); a
@@ -125,6 +137,7 @@ def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manife
     from polyrl.config.loader import load_config
     from polyrl.config.schema import PolyrlConfig
     from polyrl.trainer.checkpoint import verify_checkpoint
+    from polyrl.trainer.executor import resolve_executor
     from polyrl.trainer.role_groups import open_role_group
 
     ckpt = Path(checkpoint).resolve()
@@ -158,14 +171,42 @@ def export(checkpoint: str | Path, to: str | Path, manifest: str | Path | Manife
         config.trainer.ray_address = ""  # never join a cluster a downloaded config names: the export runs here
     config.trainer.run_dir = str(run_dir)
     worker_cls = getattr(_trainer_factory(config, pm), "worker_cls", None)
+    chosen = _overridden(overrides, "trainer.executor") or _overridden(overrides, "trainer.n_workers")
+    if not chosen and _fits_one_process(config, pm):
+        config.trainer.executor = "local"
+    resolve_executor(config)  # otherwise the executor the run trained with (config.yaml holds the resolved one)
     started = open_role_group(config, roles=["actor"], manifest=manifest, name="export", run_dir=run_dir,
                               role_kind="sft", worker_cls=worker_cls)
     try:
-        started.group.call_all("load_checkpoint", str(ckpt))
+        started.group.call_all("load_checkpoint", str(ckpt), model_only=True)
         started.group.call_all("export_hf", str(Path(to).resolve()))
     finally:
         started.shutdown()
     return Path(to)
+
+
+def _fits_one_process(config: Any, pm: Any) -> bool:
+    """Whether the actor's engine can export from one process: its layout fits one rank and its
+    ``load_checkpoint`` reads the weights of a checkpoint of any world size (``model_only``)."""
+    import inspect
+
+    try:
+        factory = pm.get("engine", config.actor.engine)
+    except LookupError:
+        return False
+    size_of = getattr(factory, "data_parallel_size", None)
+    if size_of is not None:
+        try:
+            size_of(config.actor, 1)
+        except Exception:  # a tensor / pipeline parallel layout that needs more ranks
+            return False
+    load = getattr(factory, "load_checkpoint", None)
+    if load is None:
+        return False
+    try:
+        return "model_only" in inspect.signature(load).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _overridden(overrides: Sequence[str], key: str) -> bool:

@@ -78,11 +78,13 @@ class PPOTrainer:
 
     def __init__(self, config: Any, *, manifest: Manifest | None = None, plugins: Any = None) -> None:
         from polyrl.plugins import get_plugin_manager
+        from polyrl.trainer.executor import resolve_executor
 
         self.config = config
         self.manifest = manifest
         self.pm = plugins or get_plugin_manager()
         cfg = config
+        resolve_executor(cfg)  # auto -> local or ray; a run that needs Ray without it stops here
         self.run_dir = Path(cfg.trainer.run_dir).expanduser().resolve()  # created (and locked) by fit()
         self._check_config()
         # before the tokenizer and the data sets are built: a run that cannot score its data stops in seconds
@@ -114,6 +116,7 @@ class PPOTrainer:
 
         self.adv_fn = get_adv_estimator_fn(cfg.algorithm.adv_estimator)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
+        self._check_optional_dependencies()
         self.reward_fn = self.build_reward_fn()
         entry = self.pm.entry("advantage_estimator", cfg.algorithm.adv_estimator)
         needs_values = bool(entry.metadata.get("needs_values")) or cfg.algorithm.adv_estimator in _NEEDS_CRITIC
@@ -201,6 +204,19 @@ class PPOTrainer:
                 f"{needed_by} needs {', '.join(missing)} from the forward pass of {key}.engine={engine}, which does "
                 f"not compute it (it lists {sorted(supported) or 'no forward products'}); use an engine that does "
                 "(fsdp, megatron; docs/plugins/forward_products.md)")
+
+    def _check_optional_dependencies(self) -> None:
+        """What the run uses from polyrl's extras is installed (before any worker starts): the reward functions
+        of its data sources (``polyrl[math]``), the agent tools' schema checker (``polyrl[tools]``)."""
+        from polyrl.rewards.scoring import check_reward_requirements, reward_function_spec
+
+        sets = [s for s in (self.train_set, self.val_set) if s is not None]
+        sources = {row.get("data_source", "") for rows in sets for row in getattr(rows, "rows", ())}
+        check_reward_requirements(reward_function_spec(self.config.reward), sources, self.pm)
+        if list(self.config.agent.tools):
+            from polyrl.tools.function import require_jsonschema
+
+            require_jsonschema()
 
     def _configure_rollout_correction(self) -> dict[str, Any] | None:
         """verl's ``algorithm.rollout_correction`` (and the old ``tis_imp_ratio_cap``): the settings, copied to
@@ -430,8 +446,6 @@ class PPOTrainer:
                 f"actor.ppo_mini_batch_size * rollout.n = {rows} rows must divide over the actor's {dp} data-parallel "
                 f"ranks (trainer.n_workers={world} divided by the engine's model-parallel size)"
             )
-        if cfg.trainer.executor not in ("ray", "local"):
-            raise ConfigError(f"trainer.executor={cfg.trainer.executor!r}: choose 'ray' or 'local'")
         if cfg.rollout.response_length != cfg.data.max_response_length:
             cfg.rollout.response_length = cfg.data.max_response_length
         cfg.rollout.prompt_length = cfg.data.max_prompt_length
@@ -476,78 +490,130 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
-        """Train for ``total_steps``; returns the last validation metrics (or the last step's)."""
+        """Train for ``total_steps``; returns the last validation metrics (or the last step's).
+
+        Ctrl-C stops after the step in progress (a checkpoint of it is saved when the run saves checkpoints), a
+        second Ctrl-C aborts (:mod:`polyrl.trainer.interrupt`); a run that already reached ``total_steps`` says
+        so and returns at once. Either way the run ends with a summary (:mod:`polyrl.trainer.summary`).
+        """
         from polyrl.tracking import Tracker
+        from polyrl.trainer.interrupt import StopAtStepBoundary
 
         cfg = self.config
+        started = time.perf_counter()
         # one run per directory: the lock is held until fit() returns, and dropped by the kernel if we die
         self._lock = RunDirLock(prepare_run_dir(cfg.trainer.run_dir)).acquire()
         try:
             setup_run_logging(self.run_dir)  # RUN_DIR/train.log, appended on resume
             resume_from = self._resume_point()
-            platform_choice = self._select_platform()
-            self.groups = build_role_groups(cfg, manifest=self.manifest, use_ref=self.use_ref, worker_cls=self.worker_cls,
-                                            use_critic=self.use_critic, run_dir=self.run_dir,
-                                            extra_roles=self.role_specs)
-            if resume_from is not None:
-                # the engines check the checkpoint (engine, model, world size) before any run file changes
-                self._load(resume_from)
-                self._drop_later_metrics(resume_from)
-            self._write_run_files(platform_choice)
-            tracker = Tracker(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
-                              experiment=cfg.trainer.experiment_name, config=record_dict(cfg),
-                              resume=resume_from is not None)
+            if resume_from is not None and read_state(resume_from)["global_step"] >= self.total_steps:
+                return self._already_finished(resume_from)  # nothing to train: no worker, no Ray
         except BaseException:
-            if self.groups is not None:
-                self.groups.shutdown()
             self._lock.release()
             raise
         last_val: dict[str, float] = {}
         metrics: dict[str, float] = {}
-        try:
-            if resume_from is None:
-                self.groups.sync_weights()
-            if self.val_set is not None and cfg.trainer.val_before_train and resume_from is None:
-                last_val = self._run_validation()
-                tracker.log(last_val, self.global_step)
-                self._keep_validation(tracker)
-                self._write_report(live=True)
-            failed_steps = 0
-            bar = _progress(cfg.trainer.progress_bar, self.total_steps, self.global_step)
-            profiler = self._step_profiler()
-            self.rollout_source.start()
-            while self.global_step < self.total_steps:
-                metrics = self._profiled_step(profiler)  # self.step(), recorded when trainer.profile asks
-                self.global_step += 1
-                is_last = self.global_step >= self.total_steps
-                if self.val_set is not None and cfg.trainer.test_freq and (
-                    self.global_step % cfg.trainer.test_freq == 0 or is_last
-                ):
-                    last_val = self._run_validation()
-                    metrics.update(last_val)
-                # metrics first: a checkpoint at step N implies N's metrics line exists (resume re-runs the rest)
-                tracker.log(metrics, self.global_step)
-                self._keep_validation(tracker)
-                fault_point("metrics", self.global_step)
-                self._refresh_report(metrics, is_last)
-                failed_steps = failed_steps + 1 if metrics.get("reward/all_failed", 0.0) >= 1.0 else 0
-                self._check_failed_rewards(failed_steps)
-                if cfg.trainer.save_freq > 0 and (self.global_step % cfg.trainer.save_freq == 0 or is_last):
-                    self.save()
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("critic/score/mean",) if k in metrics})
-            if bar is not None:
-                bar.close()
-        finally:
+        history: list[dict[str, float]] = []
+        with StopAtStepBoundary("the set-up") as stop:
             try:
-                self.rollout_source.stop()
-                tracker.close()
-                self._write_report(live=False)
-                self.groups.shutdown()
-            finally:
+                platform_choice = self._select_platform()
+                self.groups = build_role_groups(cfg, manifest=self.manifest, use_ref=self.use_ref,
+                                                worker_cls=self.worker_cls, use_critic=self.use_critic,
+                                                run_dir=self.run_dir, extra_roles=self.role_specs)
+                if resume_from is not None:
+                    # the engines check the checkpoint (engine, model, world size) before any run file changes
+                    self._load(resume_from)
+                    self._drop_later_metrics(resume_from)
+                self._write_run_files(platform_choice)
+                tracker = Tracker(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
+                                  experiment=cfg.trainer.experiment_name, config=record_dict(cfg),
+                                  resume=resume_from is not None)
+            except BaseException:
+                if self.groups is not None:
+                    self.groups.shutdown()
                 self._lock.release()
+                raise
+            try:
+                if resume_from is None:
+                    self.groups.sync_weights()
+                if self.val_set is not None and cfg.trainer.val_before_train and resume_from is None:
+                    last_val = self._run_validation()
+                    tracker.log(last_val, self.global_step)
+                    history.append({"step": self.global_step, **last_val})
+                    self._keep_validation(tracker)
+                    self._write_report(live=True)
+                failed_steps = 0
+                bar = _progress(cfg.trainer.progress_bar, self.total_steps, self.global_step)
+                profiler = self._step_profiler()
+                self.rollout_source.start()
+                while self.global_step < self.total_steps and not stop.requested:
+                    stop.what = f"step {self.global_step + 1}"
+                    metrics = self._profiled_step(profiler)  # self.step(), recorded when trainer.profile asks
+                    self.global_step += 1
+                    is_last = self.global_step >= self.total_steps
+                    if self.val_set is not None and cfg.trainer.test_freq and (
+                        self.global_step % cfg.trainer.test_freq == 0 or is_last
+                    ):
+                        last_val = self._run_validation()
+                        metrics.update(last_val)
+                    # metrics first: a checkpoint at step N implies N's metrics line exists (resume re-runs the rest)
+                    tracker.log(metrics, self.global_step)
+                    history.append({"step": self.global_step, **metrics})
+                    self._keep_validation(tracker)
+                    fault_point("metrics", self.global_step)
+                    self._refresh_report(metrics, is_last)
+                    failed_steps = failed_steps + 1 if metrics.get("reward/all_failed", 0.0) >= 1.0 else 0
+                    self._check_failed_rewards(failed_steps)
+                    due = self.global_step % cfg.trainer.save_freq == 0 or is_last if cfg.trainer.save_freq > 0 else False
+                    if due or (stop.requested and cfg.trainer.save_freq > 0):  # Ctrl-C: keep the step just trained
+                        self.save()
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("critic/score/mean",) if k in metrics})
+                if bar is not None:
+                    bar.close()
+            finally:
+                try:
+                    self.rollout_source.stop()
+                    tracker.close()
+                    self._write_report(live=False)
+                    self.groups.shutdown()
+                finally:
+                    self._lock.release()
+        stopped = stop.requested and self.global_step < self.total_steps
+        if stopped:
+            from polyrl.trainer.interrupt import record_stop
+
+            record_stop()
+        self._log_summary("stopped" if stopped else "finished", time.perf_counter() - started, history)
         return {**metrics, **last_val}
+
+    def _already_finished(self, checkpoint: Path) -> dict[str, float]:
+        """A run started again after it reached ``total_steps``: say so, summarise, train nothing."""
+        from polyrl.trainer.summary import log_run_end, metrics_rows
+
+        self.global_step = int(read_state(checkpoint)["global_step"])
+        try:
+            rows = metrics_rows(self.run_dir, list(self.config.trainer.logger), [])
+            log_run_end(verb="train", state="already finished", step=self.global_step, total=self.total_steps,
+                        seconds=None, run_dir=self.run_dir, checkpoint=checkpoint, rows=rows)
+        finally:
+            self._lock.release()
+        last = dict(rows[-1]) if rows else {}
+        last.pop("time", None)
+        last.pop("step", None)
+        return last
+
+    def _log_summary(self, state: str, seconds: float | None, history: list[dict[str, float]]) -> None:
+        from polyrl.trainer.summary import log_run_end, metrics_rows
+
+        try:
+            checkpoint = self.ckpt.latest(verify=False)  # the newest one, just written by this run
+        except Exception:  # the summary never hides how the run ended
+            checkpoint = None
+        log_run_end(verb="train", state=state, step=self.global_step, total=self.total_steps, seconds=seconds,
+                    run_dir=self.run_dir, checkpoint=checkpoint,
+                    rows=metrics_rows(self.run_dir, list(self.config.trainer.logger), history))
 
     # ------------------------------------------------------------------ generations and reward failures
     def _dump_dir(self, kind: str) -> Path | None:
@@ -678,10 +744,12 @@ class PPOTrainer:
             log.warning("checkpoint %s stores no config; resuming without checking that the config is unchanged", path)
             return
         allowed = list(self.config.trainer.resume_override)
+        # one rank either way: a run saved under `ray` (the default before `auto`) resumes under `local`
+        implicit = ["trainer.executor"] if self.config.trainer.n_workers == 1 else []
         # a key read from the environment is recorded as its ${oc.env:...} text (checkpoints of older polyrl
         # versions hold the value): it differs only when it differs both ways
-        resolved = {k for k, _, _ in config_differences(saved, to_dict(self.config), allowed)}
-        diffs = [d for d in config_differences(saved, record_dict(self.config), allowed) if d[0] in resolved]
+        resolved = {k for k, _, _ in config_differences(saved, to_dict(self.config), allowed + implicit)}
+        diffs = [d for d in config_differences(saved, record_dict(self.config), allowed + implicit) if d[0] in resolved]
         if diffs:
             shown = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in diffs[:10])
             more = f" (and {len(diffs) - 10} more)" if len(diffs) > 10 else ""
@@ -691,7 +759,7 @@ class PPOTrainer:
                 f"Resume with the same values, allow the change with trainer.resume_override=[{keys}], or start a new "
                 "run (another trainer.run_dir, or trainer.resume=disable)."
             )
-        changed = [k for k, _, _ in config_differences(saved, record_dict(self.config))]
+        changed = [k for k, _, _ in config_differences(saved, record_dict(self.config), implicit)]
         if changed:
             log.warning("resuming with changed config keys (allowed by trainer.resume_override): %s", ", ".join(changed))
 

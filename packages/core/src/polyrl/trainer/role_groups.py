@@ -366,31 +366,76 @@ def start_ray(config: Any, run_dir: Path, *, workers: int | None = None) -> bool
     declared theirs in ``ray start``). Otherwise a local Ray starts with temporary files under the run
     directory, its node address on loopback and no dashboard. Ray's token authentication is left as configured (on by default in recent Ray); tests opt
     out with ``RAY_AUTH_MODE=disabled`` in their environment. See docs/security.md.
+
+    A local Ray's workers inherit the driver's environment (``OMP_NUM_THREADS``, ``RAY_AUTH_MODE``...), so no
+    runtime environment is set: Ray then hands the actors worker processes it started ahead. Ray's log records go
+    to ``RUN_DIR/train.log`` (its errors to the console too) and what its workers print reaches the console above
+    the progress bar (:mod:`polyrl.logs`).
     """
+    from polyrl.trainer.executor import RAY_INSTALL, ray_installed
+
+    if not ray_installed():
+        from polyrl.errors import ConfigError
+
+        raise ConfigError(f"trainer.executor=ray needs Ray, which is not installed: {RAY_INSTALL} "
+                          "(or trainer.executor=local)")
     import ray
 
     if ray.is_initialized():
         return False
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
-    if "RAY_AUTH_MODE" in os.environ:  # the workers follow the driver's choice, whatever it is
-        env_vars["RAY_AUTH_MODE"] = os.environ["RAY_AUTH_MODE"]
+    import logging
+
+    from polyrl.logs import route_ray_logger, route_ray_worker_output
+
+    route_ray_logger()
     from polyrl.controller.cluster import cluster_address
 
     address = cluster_address(config)
     if address:
-        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": env_vars})
+        env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
+        if "RAY_AUTH_MODE" in os.environ:  # the workers follow the driver's choice, whatever it is
+            env_vars["RAY_AUTH_MODE"] = os.environ["RAY_AUTH_MODE"]
+        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": env_vars},
+                 logging_level=logging.INFO)
+        route_ray_worker_output()
         return True
     temp_dir = ray_temp_dir(run_dir)
+    t = config.trainer
     # enough CPUs for every worker (``workers``: the pools' total), unless the user set a number
-    workers = workers if workers is not None else config.trainer.n_workers + config.trainer.rollout_workers
-    num_cpus = config.trainer.ray_num_cpus or max(os.cpu_count() or 1, workers)
+    workers = workers if workers is not None else t.n_workers + t.rollout_workers
+    num_cpus = t.ray_num_cpus or max(os.cpu_count() or 1, workers)
+    # Ray starts num_cpus worker processes ahead and the actors take them. When that is about the number of
+    # workers the run starts, those processes import torch, the worker, the engine and the rollout while Ray
+    # finishes starting (an actor then only builds its models); on a machine with many more cores than workers
+    # the spare processes would import them for nothing.
+    preload = {"preload_python_modules": worker_modules(config)} if num_cpus <= workers + 1 else {}
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what Ray gives an actor of one CPU; set before a preload
     ray.init(
         num_cpus=num_cpus,
         _temp_dir=str(temp_dir),
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
         log_to_driver=True,
-        runtime_env={"env_vars": env_vars},
+        logging_level=logging.INFO,
+        _system_config=preload,
     )
+    route_ray_worker_output()
     return True
+
+
+def worker_modules(config: Any) -> list[str]:
+    """What a worker process imports before it becomes an actor (Ray's ``preload_python_modules``): torch,
+    transformers, tensordict, the worker and the modules of the engines and the rollout the config names."""
+    modules = ["torch", "tensordict", "transformers", "polyrl.trainer.role_worker"]
+    try:
+        from polyrl.plugins import get_plugin_manager
+
+        pm = get_plugin_manager()
+        targets = [pm.entry("engine", config.actor.engine).target_name, pm.entry("rollout", config.rollout.name).target_name]
+    except Exception:  # a name no plugin registers is reported with its key elsewhere; preloading is only a head start
+        targets = []
+    for target in targets:
+        module = str(target).split(":", 1)[0]
+        if module and module not in modules and "<" not in module:
+            modules.append(module)
+    return modules

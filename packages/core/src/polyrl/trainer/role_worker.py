@@ -572,10 +572,15 @@ class Worker:
         for role, engine in self._checkpointed_engines():
             engine.save_checkpoint(f"{path}/{role}")
 
-    def load_checkpoint(self, path: str) -> None:
-        """Restore what :meth:`save_checkpoint` wrote."""
+    def load_checkpoint(self, path: str, model_only: bool = False) -> None:
+        """Restore what :meth:`save_checkpoint` wrote. ``model_only`` (``polyrl export``): the weights alone, from a
+        checkpoint of any world size, for engines whose ``load_checkpoint`` takes ``model_only`` (the others
+        restore everything, which needs the world size the checkpoint was written with)."""
         for role, engine in self._checkpointed_engines():
-            engine.load_checkpoint(f"{path}/{role}")
+            if model_only and _takes_keyword(engine.load_checkpoint, "model_only"):
+                engine.load_checkpoint(f"{path}/{role}", model_only=True)
+            else:
+                engine.load_checkpoint(f"{path}/{role}")
 
     def export_hf(self, path: str) -> None:
         """Write the actor as an HF folder."""

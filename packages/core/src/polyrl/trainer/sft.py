@@ -99,7 +99,9 @@ class SFTTrainer:
         from transformers import AutoTokenizer
 
         from polyrl.data import load_rows
+        from polyrl.trainer.executor import resolve_executor
 
+        resolve_executor(config)  # auto -> local or ray, before anything loads
         self.config = config
         self.manifest = manifest
         self.run_dir = Path(config.trainer.run_dir).expanduser().resolve()  # created (and locked) by fit()
@@ -143,6 +145,7 @@ class SFTTrainer:
         from polyrl.trainer.role_groups import open_role_group
 
         cfg = self.config
+        began = time.perf_counter()
         setup_run_logging(self.run_dir)  # RUN_DIR/train.log
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         started = open_role_group(cfg, roles=["actor"], manifest=self.manifest, name="sft", run_dir=self.run_dir,
@@ -196,6 +199,9 @@ class SFTTrainer:
                 write_report(self.run_dir)
             except Exception as exc:  # a view of the run, never fatal to it
                 logging.getLogger("polyrl").warning("could not write %s: %s", self.run_dir / "report.html", exc)
+        logging.getLogger(__name__).info(
+            "polyrl sft: finished %d steps in %.0fs; the model is in %s (train on it with model.path=%s)",
+            self.total_steps, time.perf_counter() - began, self.run_dir / "hf", self.run_dir / "hf")
         return metrics
 
 
