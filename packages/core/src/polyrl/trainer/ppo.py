@@ -113,6 +113,8 @@ class PPOTrainer:
         self.use_ref = enable == "true" or (enable == "auto" and kl_used)
         if kl_used and not self.use_ref:
             raise ConfigError("a KL term is configured (actor.use_kl_loss / algorithm.use_kl_in_reward) but ref.enable=false")
+        if self.use_ref and cfg.ref.plugin_config is not None:  # its own layout (ref.fsdp...) before workers start
+            self.data_parallel_size("ref")
         mode = cfg.actor.recompute_old_log_prob
         if mode not in ("auto", "always"):
             raise ConfigError(f"actor.recompute_old_log_prob={mode!r}: choose 'auto' or 'always'")
@@ -217,7 +219,12 @@ class PPOTrainer:
         says otherwise (``data_parallel_size(role_config, world_size)``: tensor / pipeline parallel engines)."""
         cfg = self.config
         world = cfg.trainer.n_workers if cfg.trainer.executor == "ray" else 1
-        role = getattr(cfg, section)
+        if section == "ref":  # the actor's config with the ref's own options (what the workers build it from)
+            from polyrl.trainer.role_worker import ref_role_config
+
+            role = ref_role_config(cfg)
+        else:
+            role = getattr(cfg, section)
         try:
             factory = self.pm.get("engine", role.engine)
         except LookupError:  # reported with the key by the command's name check
