@@ -40,13 +40,17 @@ from polyrl.errors import CheckpointError, ConfigError
 from polyrl.lr_schedules import build_lr_scheduler
 from polyrl.models.paths import check_model_path
 from polyrl.protocols import LossScale
+from polyrl_engine_fsdp.activation_offload import offload_activations
 from polyrl_engine_fsdp.config import FSDPConfig, check_choice, torch_dtype
+from polyrl_engine_fsdp.ulysses import SequenceParallel, check_sequence_parallel
 
 logger = logging.getLogger(__name__)
 
 _NEEDED = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 #: transformers attention implementations that build per-sequence masks from restarting position_ids
 _PACKED_ATTENTION = {"sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"}
+#: flash attention's varlen keyword arguments (transformers' ``FlashAttentionKwargs``), for sequence parallelism
+_VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 # ---------------------------------------------------------------------------- the root module
@@ -73,18 +77,21 @@ class _Head(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, index, targets, temperature: float = 1.0,
                 compute_entropy: bool = False, prompt_ids=None, prompt_mask=None, prompt_positions=None,
-                prompt_of_row=None) -> dict[str, torch.Tensor]:
+                prompt_of_row=None, gather=None, **attention_kwargs) -> dict[str, torch.Tensor]:
         """Flat ``log_probs`` (and ``entropy``) or ``values`` of the tokens ``index`` selects.
 
         With ``prompt_ids`` (the shared-prompt form), the distinct prompts ``[U, P]`` run once, their KV cache
         is copied to the rows (``prompt_of_row``, ``[B]``) and ``input_ids`` ``[B, R]`` are the responses
         alone, attending to it; ``index`` then points into ``[B, R]``: the last prompt position followed by
         the first ``R - 1`` response positions, the states that predict response tokens ``0 .. R-1``.
+        With sequence parallelism the inputs are this rank's slice and ``gather`` (a
+        :class:`~polyrl_engine_fsdp.ulysses.GatherPlan`) assembles every rank's outputs; ``attention_kwargs``
+        reach the attention (flash attention's varlen lengths).
         """
         backbone, head = self._parts()
         if prompt_ids is None:
             hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).last_hidden_state
+                              use_cache=False, **attention_kwargs).last_hidden_state
         else:
             from transformers import DynamicCache
 
@@ -98,7 +105,8 @@ class _Head(nn.Module):
             hidden = torch.cat([prefix.last_hidden_state[prompt_of_row, -1:], rest[:, :-1]], dim=1)
         h = hidden.reshape(-1, hidden.shape[-1])[index]
         if self.model_type == "value":
-            return {"values": head(h).squeeze(-1).float().clone()}
+            values = head(h).squeeze(-1).float().clone()
+            return {"values": values if gather is None else gather(values)}
         logps, ents = [], []
         for start in range(0, h.shape[0], self.chunk):
             hs, ys = h[start : start + self.chunk], targets[start : start + self.chunk]
@@ -116,7 +124,7 @@ class _Head(nn.Module):
         out = {"log_probs": torch.cat(logps).clone()}
         if compute_entropy:
             out["entropy"] = torch.cat(ents).clone()
-        return out
+        return out if gather is None else {k: gather(v) for k, v in out.items()}
 
 
 def _chunk_logprob(h, y, weight, bias, temperature: float, compute_entropy: bool):
@@ -158,24 +166,59 @@ class FSDPEngine:
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
         self.step = 0
         self.lora = config.model.lora.rank > 0
+        self.sp = self._sequence_parallel_group()
         # HF models drop the KV cache under gradient checkpointing, which the shared-prompt forward needs
         self._shared_prompt = (self.fsdp.shared_prompt and not config.use_remove_padding
-                               and not config.model.gradient_checkpointing)
+                               and not config.model.gradient_checkpointing and self.sp is None)
         self._build_model()
         self.optimizer = self.scheduler = None
         if role != "ref":
             self._build_optimizer()
 
     # ------------------------------------------------------------------ construction
+    @classmethod
+    def data_parallel_size(cls, role_config: Any, world_size: int, *, role: str = "actor") -> int:
+        """The data-parallel size of a role on ``world_size`` ranks: ``world_size / ulysses_sequence_parallel_size``,
+        or a one-line :class:`ConfigError` naming the key. Called by the trainer before any worker starts: checks
+        that the sequence-parallel size divides the ranks and the attention heads of the model's ``config.json``
+        (a local folder's; a Hub id's heads are checked when the engine builds), and the attention."""
+        fsdp = role_config.plugin_config if isinstance(role_config.plugin_config, FSDPConfig) else FSDPConfig()
+        size = fsdp.ulysses_sequence_parallel_size
+        key = f"{role}.{cls.config_section}.ulysses_sequence_parallel_size"
+        cls._check_splits_sequences(size, key)
+        return check_sequence_parallel(size, world_size, key=key, role=role,
+                                       hf_config=_local_hf_config(role_config.model) if size > 1 else None,
+                                       attn_implementation=role_config.model.attn_implementation,
+                                       packed=role_config.use_remove_padding)
+
+    @classmethod
+    def _check_splits_sequences(cls, size: int, key: str) -> None:
+        """Ulysses splits sequences inside this engine's own forward (:meth:`wrap_model`, :meth:`forward_micro_batch`);
+        a subclass that replaces them (another kind of model) gets a ConfigError rather than a silent no-op."""
+        own = cls.forward_micro_batch is FSDPEngine.forward_micro_batch and cls.wrap_model is FSDPEngine.wrap_model
+        if size > 1 and not own:
+            raise ConfigError(f"{key}={size}: engine {cls.__name__} runs a forward pass of its own, which Ulysses "
+                              "sequence parallelism does not split; set it to 1")
+
     @property
     def dp_rank(self) -> int:
-        """This rank in the role's (pure data-parallel) worker group."""
-        return self._rank
+        """This rank's data-parallel group: the ranks of one sequence-parallel group share it."""
+        return self._rank // self.sequence_parallel_size
 
     @property
     def dp_size(self) -> int:
-        """The world size of the role's worker group."""
-        return self._world
+        """Data-parallel groups: the role's ranks divided by ``fsdp.ulysses_sequence_parallel_size``."""
+        return self._world // self.sequence_parallel_size
+
+    @property
+    def collects_output(self) -> bool:
+        """Whether the driver keeps this rank's results: the first rank of each sequence-parallel group."""
+        return self._rank % self.sequence_parallel_size == 0
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks that split each sequence (``fsdp.ulysses_sequence_parallel_size``); 1 without Ulysses."""
+        return self.sp.size if self.sp is not None else 1
 
     @property
     def rank(self) -> int:
@@ -235,11 +278,29 @@ class FSDPEngine:
         chunked LM head (or value head) on the predicting positions only."""
         return _Head(model, self.model_type, max(1, self.config.logits_chunk_size))
 
+    def _sequence_parallel_group(self) -> SequenceParallel | None:
+        """This rank's Ulysses group (``fsdp.ulysses_sequence_parallel_size`` > 1), the layout checked first."""
+        size = self.fsdp.ulysses_sequence_parallel_size
+        self._check_splits_sequences(size, self._sp_key)
+        check_sequence_parallel(size, self._world, key=self._sp_key, role=self.role,
+                                attn_implementation=self.config.model.attn_implementation,
+                                packed=self.config.use_remove_padding)
+        return SequenceParallel.build(size) if size > 1 else None
+
+    @property
+    def _sp_key(self) -> str:
+        return f"{self.role}.{self.config_section}.ulysses_sequence_parallel_size"
+
     def _build_model(self) -> None:
         self.check_options()
         dtype = torch_dtype(self.config.model.dtype, f"{self.role}.model.dtype")
         torch.manual_seed(self.config.seed)
         model = self.load_model(dtype)
+        if self.sp is not None:  # the model's heads are known now; its attention becomes the Ulysses wrapper
+            check_sequence_parallel(self.sp.size, self._world, key=self._sp_key, role=self.role,
+                                    hf_config=model.config, attn_implementation=self.config.model.attn_implementation,
+                                    packed=self.config.use_remove_padding)
+            self.sp.install(model, self.config.model.attn_implementation)
         if self.lora:
             model = self.apply_lora(model, self.config.model.lora)
         self._shard_root(self.wrap_model(model), model, dtype)
@@ -385,12 +446,18 @@ class FSDPEngine:
         ``[b, R']`` on the device, ``R'`` the trimmed response width.
         """
         mb = _trim(mb)
-        inputs = _model_inputs(mb, packed=self.config.use_remove_padding, shared_prompt=self._shared_prompt,
-                               uniform=not self.replicated)
+        inputs: dict[str, Any] = _model_inputs(mb, packed=self.config.use_remove_padding,
+                                               shared_prompt=self._shared_prompt, uniform=not self.replicated)
+        extra: dict[str, Any] = {}
+        if self.sp is not None:  # this rank's slice of the sequence; the outputs come back whole
+            inputs = self.sp.shard(inputs, flash=self.config.model.attn_implementation.startswith("flash"))
+            extra["gather"] = inputs.pop("gather").to(self.device)
+            extra.update({k: inputs.pop(k) for k in _VARLEN_KEYS if k in inputs})
         dev = {k: v.to(self.device) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        extra = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
         shared = {k: dev[k] for k in ("prompt_ids", "prompt_mask", "prompt_positions", "prompt_of_row") if k in dev}
         flat = self.module(dev["input_ids"], dev.get("attention_mask"), dev["position_ids"], dev["index"],
-                           dev["targets"], temperature=temperature, compute_entropy=compute_entropy, **shared)
+                           dev["targets"], temperature=temperature, compute_entropy=compute_entropy, **shared, **extra)
         shape = mb["responses"].shape
         rows, cols = dev["rows"], dev["cols"]
         out = {k: torch.zeros(shape, dtype=v.dtype, device=v.device).index_put((rows, cols), v)
@@ -401,7 +468,8 @@ class FSDPEngine:
         """Row indices of each micro-batch of ``batch``: ``micro_batch_size`` rows each, or with ``dynamic`` up
         to ``max_token_len_per_gpu`` tokens each (first-fit decreasing). ``None`` entries pad this rank to the
         largest count of any rank (every rank runs the same number of passes: they are collective); run
-        :meth:`padding_micro_batch` for them. Collective."""
+        :meth:`padding_micro_batch` for them. With sequence parallelism the token budget is the group's (its
+        ``sp`` ranks each hold ``1/sp`` of the tokens), as in verl. Collective."""
         cfg = self.config
         size = batch.batch_size[0]
         if dynamic:
@@ -411,7 +479,7 @@ class FSDPEngine:
             lengths = [a + b for a, b in zip(p_len, r_len)]
             order = sorted(range(size), key=lambda i: -lengths[i])
             groups: list[list[int]] = []
-            budget = cfg.max_token_len_per_gpu
+            budget = cfg.max_token_len_per_gpu * self.sequence_parallel_size
             for i in order:  # first-fit decreasing by tokens
                 for g in groups:
                     # packed: the tokens themselves; padded: the rectangle left after trimming padding columns
@@ -474,15 +542,18 @@ class FSDPEngine:
         if self.optimizer is None:
             raise RuntimeError(f"the {self.role} engine has no optimizer (role 'ref' only infers)")
         self.module.train()
+        # the ranks of a sequence-parallel group hold the same shard: count it once
         totals = self._all_reduce(torch.tensor([float(batch["response_mask"].sum()), float(batch.batch_size[0])],
-                                               dtype=torch.float64))
-        scale = LossScale(dp_size=self._world, batch_num_tokens=int(totals[0]), global_batch_size=int(totals[1]))
+                                               dtype=torch.float64)) / self.sequence_parallel_size
+        scale = LossScale(dp_size=self.dp_size, batch_num_tokens=round(float(totals[0])),
+                          global_batch_size=round(float(totals[1])))
         metrics: dict[str, float] = {}
         splits = self.split_micro_batches(batch, self.config.use_dynamic_bsz)
         real = max(1, sum(rows is not None for rows in splits))
         for rows in splits:
             mb = self.padding_micro_batch(batch) if rows is None else batch[rows]
-            out, trimmed = self.forward_micro_batch(mb, temperature, compute_entropy=self.model_type != "value")
+            with offload_activations(self.device) if self.fsdp.activation_offload else contextlib.nullcontext():
+                out, trimmed = self.forward_micro_batch(mb, temperature, compute_entropy=self.model_type != "value")
             loss, m = loss_fn(out, trimmed.to(self.device), scale)
             loss.backward()
             if rows is not None:  # a padding micro-batch's metrics would dilute the mean
@@ -703,6 +774,24 @@ class FSDPEngine:
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def _local_hf_config(model: Any) -> Any:
+    """The attention-head count of ``model.path``'s ``config.json`` (with ``model.override_config``) when it is a
+    local folder, else ``None``; read as JSON, so no model code runs."""
+    from types import SimpleNamespace
+
+    path = Path(str(model.path)) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        conf = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # reported, naming the file, when the engine loads the model
+    if "num_attention_heads" not in conf:  # a multimodal config keeps its language model's in text_config
+        conf = {**conf, **(conf.get("text_config") or {})}
+    conf.update(model.override_config or {})
+    return SimpleNamespace(num_attention_heads=conf.get("num_attention_heads"))
 
 
 def _fused_adam_devices() -> set[str]:
