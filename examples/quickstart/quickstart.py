@@ -8,8 +8,9 @@ plugin manifest (the FSDP engine plugin; ``--rollout vllm`` adds the vLLM plugin
 
     accuracy before RL: 0.xx after RL: 0.yy
 
-Usage: ``python examples/quickstart/quickstart.py [--rollout hf|vllm] [--run-dir DIR]``
-(``make quickstart`` runs it). See docs/quickstart.md for a walk-through.
+Usage: ``python examples/quickstart/quickstart.py [--rollout hf|vllm] [--run-dir DIR] [--layout native|verl]``
+(``make quickstart`` runs it). ``--layout verl`` runs the GRPO step from ``grpo_verl.yaml``, the same run
+written in verl's config layout (docs/from_verl.md). See docs/quickstart.md for a walk-through.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", default="runs/quickstart")
     parser.add_argument("--rollout", default="hf", choices=["hf", "vllm"])
+    parser.add_argument("--layout", default="native", choices=["native", "verl"],
+                        help="the GRPO config's layout: grpo.yaml (polyrl's) or grpo_verl.yaml (verl's)")
     parser.add_argument("--sft-steps", type=int, default=None, help="override the SFT step count")
     parser.add_argument("--rl-steps", type=int, default=None, help="override the GRPO step count")
     parser.add_argument("--max-operand", type=int, default=20, help="operands are drawn from 0..N")
@@ -76,14 +79,25 @@ def main() -> None:
 
     # 3. GRPO from the warmed-up model, validating before and after.
     manifest = HERE / ("polyrl-vllm.toml" if args.rollout == "vllm" else "polyrl.toml")
-    rl_overrides = [
-        f"model.path={run / 'sft' / 'hf'}",
-        f"data.train_files=[{run / 'train.jsonl'}]",
-        f"data.val_files=[{run / 'val.jsonl'}]",
-        f"trainer.run_dir={run / 'grpo'}",
-        f"rollout.name={args.rollout}",
-    ] + ([f"trainer.total_steps={args.rl_steps}"] if args.rl_steps else []) + args.rl
-    polyrl("train", "--manifest", str(manifest), "--config", str(HERE / "grpo.yaml"), *rl_overrides)
+    if args.layout == "verl":  # the same run, in verl's layout and names
+        rl_overrides = [
+            f"actor_rollout_ref.model.path={run / 'sft' / 'hf'}",
+            f"data.train_files={run / 'train.jsonl'}",
+            f"data.val_files={run / 'val.jsonl'}",
+            f"trainer.default_local_dir={run / 'grpo'}",
+            f"actor_rollout_ref.rollout.name={args.rollout}",
+            "+trainer.progress_bar=false",
+        ] + ([f"trainer.total_training_steps={args.rl_steps}"] if args.rl_steps else []) + args.rl
+    else:
+        rl_overrides = [
+            f"model.path={run / 'sft' / 'hf'}",
+            f"data.train_files=[{run / 'train.jsonl'}]",
+            f"data.val_files=[{run / 'val.jsonl'}]",
+            f"trainer.run_dir={run / 'grpo'}",
+            f"rollout.name={args.rollout}",
+        ] + ([f"trainer.total_steps={args.rl_steps}"] if args.rl_steps else []) + args.rl
+    grpo = HERE / ("grpo_verl.yaml" if args.layout == "verl" else "grpo.yaml")
+    polyrl("train", "--manifest", str(manifest), "--config", str(grpo), *rl_overrides)
     polyrl("plot", str(run / "grpo"))
 
     # 4. Held-out accuracy before and after RL, from the run's own validation metrics.

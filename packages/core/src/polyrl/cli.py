@@ -1,5 +1,5 @@
-"""The ``polyrl`` command line: ``train``, ``sft``, ``export``, ``plot``, ``view``, ``profile``, ``serve``,
-``plugins``, ``new-plugin``.
+"""The ``polyrl`` command line: ``train``, ``config``, ``sft``, ``export``, ``plot``, ``view``, ``profile``,
+``serve``, ``plugins``, ``new-plugin``.
 
 Errors that a user can fix (:class:`polyrl.errors.PolyrlError`) print as one
 message on stderr with exit code 2; ``--traceback`` or ``POLYRL_DEBUG=1`` shows
@@ -68,12 +68,45 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="key=value overrides, dotted (trainer.total_steps=10)")
 
 
+def _layout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config-format", choices=["auto", "native", "verl"], default="auto",
+                   help="the config's layout: polyrl's, verl's (docs/from_verl.md), or auto (verl's when it has "
+                        "actor_rollout_ref at the top level)")
+    p.add_argument("--config-path", help="verl layout: a folder of verl configs (Hydra's --config-path)")
+    p.add_argument("--config-name", help="verl layout: the trainer config to start from (ppo_trainer, "
+                                         "ppo_megatron_trainer, or one in --config-path)")
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    _run_args(p)
+    _layout_args(p)
+    p.add_argument("--dry-run", action="store_true", help="run every start-up check (plugins, model paths, data, "
+                   "rewards, layouts, placement) and stop before any worker starts")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """RL post-training."""
     from polyrl.trainer.commands import train
 
-    train(args.manifest, args.config, args.overrides)
+    train(args.manifest, args.config, args.overrides, config_format=args.config_format,
+          config_path=args.config_path, config_name=args.config_name, dry_run=args.dry_run)
     return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """``polyrl config show``: the resolved config in polyrl's layout, each non-default value with its source."""
+    from polyrl.config.show import show
+
+    sys.stdout.write(show(args.manifest, args.config, args.overrides, config_format=args.config_format,
+                          config_path=args.config_path, config_name=args.config_name))
+    return 0
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["show"], help="show: print the resolved config (polyrl's layout) with the "
+                   "source of every non-default value")
+    _run_args(p)
+    _layout_args(p)
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
@@ -162,7 +195,9 @@ def cmd_new_plugin(args: argparse.Namespace) -> int:
 
 #: verb -> (handler, help, argument adder)
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str, Callable[[argparse.ArgumentParser], None]]] = {
-    "train": (cmd_train, "RL post-training (PPO, GRPO and family)", _run_args),
+    "train": (cmd_train, "RL post-training (PPO, GRPO and family)", _train_args),
+    "config": (cmd_config, "show the resolved config and each value's source",
+               _config_args),
     "sft": (cmd_sft, "supervised fine-tuning with the same engines", _run_args),
     "export": (cmd_export, "write a checkpoint as an HF folder", lambda p: (
         p.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N"),

@@ -36,3 +36,7 @@ class CheckpointDiskFullError(CheckpointError):
 
     #: What the operating system said, and the file (``"No space left on device, /ckpt/__0_0.distcp"``).
     reason: str = ""
+
+
+class RewardError(PolyrlError, RuntimeError):
+    """A run whose rewards failed for every sample ``reward.max_failed_steps`` steps in a row."""

@@ -186,6 +186,30 @@ class Tracker:
             named = {_mlflow_key(k): v for k, v in clean.items()}
             self._mlflow.log_batch(self._mlflow_run_id, metrics=[Metric(k, v, now, step) for k, v in named.items()])
 
+    def log_generations(self, rows: list[dict], step: int, *, name: str = "val/generations") -> None:
+        """Show generated samples as a table (:func:`polyrl.trainer.generations.table` picks the columns): a
+        ``wandb.Table`` in W&B, a Markdown table in TensorBoard's text tab, ``generations/<name>_step_<step>.json``
+        (MLflow's table format: ``columns`` and ``data``) among the MLflow run's artifacts. Console and jsonl
+        show nothing (the rows are in the run's JSONL files)."""
+        from polyrl.trainer.generations import table
+
+        if not rows:
+            return
+        columns, data = table(rows)
+        if self._tb_pending:
+            self._open_tensorboard(purge_step=step)
+        if self._tb is not None:
+            self._tb.add_text(name, _markdown_table(columns, data), step)
+            self._tb.flush()
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({name: wandb.Table(columns=columns, data=data)}, step=step)
+        if self._mlflow is not None:
+            artifact = f"generations/{name.replace('/', '_')}_step_{step}.json"
+            self._mlflow.log_text(self._mlflow_run_id, json.dumps({"columns": columns, "data": data}, default=str),
+                                  artifact)
+
     def close(self) -> None:
         """Flush and close every backend.
 
@@ -207,6 +231,17 @@ class Tracker:
             client, self._mlflow = self._mlflow, None
             status = ("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED") if error is not None else "FINISHED"
             client.set_terminated(self._mlflow_run_id, status=status)
+
+
+def _markdown_table(columns: list[str], data: list[list[Any]]) -> str:
+    """A Markdown table; cell text keeps its line breaks as ``<br>`` and its pipes escaped."""
+
+    def cell(value: Any) -> str:
+        return str(value).replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in data]
+    return "\n".join(lines)
 
 
 def _require(name: str) -> None:

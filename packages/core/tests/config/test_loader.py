@@ -156,10 +156,14 @@ def test_run_that_trains_nothing_is_refused(tmp_path):
         load_config(PolyrlConfig, [cfg])
 
 
-def test_scalar_where_a_list_is_expected(tmp_path):
+def test_scalar_where_a_list_is_expected_becomes_a_list(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("model:\n  path: m\ndata:\n  train_files: train.jsonl\n")
-    with pytest.raises(ConfigError, match=rf"'data.train_files' \(from {cfg} line 4\): expects a list"):
+    loaded = load_config(PolyrlConfig, [cfg], ["trainer.logger=jsonl", "rollout.stop_token_ids=7"])
+    assert loaded.data.train_files == ["train.jsonl"]
+    assert loaded.trainer.logger == ["jsonl"] and loaded.rollout.stop_token_ids == [7]
+    cfg.write_text("model:\n  path: m\ndata:\n  train_files: {a: 1}\n")  # a mapping is still wrong
+    with pytest.raises(ConfigError, match=rf"'data.train_files' \(from {cfg} line 4\)"):
         load_config(PolyrlConfig, [cfg])
 
 

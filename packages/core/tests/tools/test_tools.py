@@ -198,3 +198,30 @@ def test_a_tool_with_an_invalid_schema_is_refused(polyrl_plugins):
         __import__("polyrl").hookimpl(lambda register: register("bad", BadTool())))})(), name="bad-plugin")
     with pytest.raises(ToolSchemaError, match="agent.tools\\[0\\] \\('bad'\\): tool 'bad'.*not valid JSON Schema"):
         build_tools(["bad"], polyrl_plugins.pm)
+
+
+def test_tool_threads_serve_calls_after_cancelled_ones_and_idle_exits():
+    """Calls queued behind hung ones are cancelled when abandoned; once the hung calls return and the idle
+    threads end, a new call still gets a thread (it used to wait forever: skipped cancelled calls inflated
+    the idle count, so no thread was started for it)."""
+    import threading
+    import time
+
+    from polyrl.tools import ToolThreads
+
+    pool = ToolThreads(max_workers=2)
+    pool._idle_s = 0.1
+    release = threading.Event()
+    calls = [pool.submit(release.wait) for _ in range(4)]  # two run (and hang), two wait in the queue
+    time.sleep(0.2)
+    for call in calls[2:] + calls[:2]:  # the queued calls first: they are cancelled, not started
+        pool.abandon(call, "stuck")
+    assert pool.hung == 2 and sum(call.cancelled() for call in calls) == 2
+    later = pool.submit(lambda: "ran")  # hung threads do not count against max_workers
+    assert later.result(timeout=5) == "ran"
+    release.set()
+    deadline = time.monotonic() + 5
+    while pool._threads and time.monotonic() < deadline:  # every thread idles out
+        time.sleep(0.05)
+    assert pool._threads == 0 and pool.hung == 0
+    assert pool.submit(lambda: "again").result(timeout=5) == "again"

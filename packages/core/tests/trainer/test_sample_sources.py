@@ -54,7 +54,7 @@ def _loader_trainer(batch_groups: int = 4, start: int = 0) -> SimpleNamespace:
     """A trainer whose loader hands out prompts ``start, start + 1, ...`` one batch at a time."""
     counter = iter(range(start, 10_000))
     trainer = _source(batch_groups=batch_groups).trainer
-    trainer._next_rows = lambda: [{"uid": f"0-{next(counter)}-x"} for _ in range(batch_groups)]
+    trainer.next_rows = lambda: [{"uid": f"0-{next(counter)}-x"} for _ in range(batch_groups)]
     trainer.loader = SimpleNamespace(state_dict=lambda: {"epoch": 0, "position": 0})
     return trainer
 

@@ -19,6 +19,7 @@ from tensordict import TensorDict
 
 from polyrl.errors import ConfigError
 from polyrl.trainer.ppo import PPOTrainer
+from polyrl_diffusion.agent_loop import prompt_text
 from polyrl_diffusion.config import DiffusersRolloutConfig, FlowGRPOConfig, check_numbers
 from polyrl_diffusion.worker import FlowGRPOWorker
 
@@ -217,18 +218,58 @@ class FlowGRPOTrainer(PPOTrainer):
         if cfg.data.val_max_samples:
             rows = rows[: cfg.data.val_max_samples]
         per_source: dict[str, list[float]] = defaultdict(list)
+        self._val_images: list[torch.Tensor] = []
         size = cfg.data.val_batch_size or len(rows)
         for start in range(0, len(rows), size):
             part = [dict(r, uid=f"val-{start + i}", _validate=True) for i, r in enumerate(rows[start : start + size])]
             padded = self.pad_rows(part)
             batch = self.generate_batch(padded, 1, validate=True)
-            scores = self.reward_fn(batch).token_level_scores.sum(-1)
+            out = self.reward_fn(batch)
+            batch["token_level_scores"] = out.token_level_scores.float()
+            scores = batch["token_level_scores"].sum(-1)
+            batch_ops.set_non_tensor(batch, "prompt_text", [prompt_text(s.get("prompt")) for s in padded])
+            self.record_validation(batch, keep=[not s.get("_pad") for s in padded])
             sources = batch_ops.non_tensor(batch, "data_source")
             for i, s in enumerate(padded):
                 if not s.get("_pad"):
                     per_source[sources[i] or "images"].append(float(scores[i]))
             self.last_val_images = batch["images"][: len(part)]
         return {f"val/{src}/reward_mean": float(np.mean(v)) for src, v in per_source.items()}
+
+    # ------------------------------------------------------------------ what a validation generated
+    def check_rewards(self) -> None:
+        """Image rewards score images and prompts, not verl's data sources: nothing to check before start."""
+
+    def generation_rows(self, batch: TensorDict, *, step: int, kind: str, keep: list[bool] | None = None) -> list[dict]:
+        """Prompt, reward and sample id of each image (the images themselves go to the PNG grid)."""
+        from polyrl import batch as batch_ops
+
+        prompts = batch_ops.non_tensor(batch, "prompt_text", "")
+        uids = batch_ops.non_tensor(batch, "uid", "")
+        sources = batch_ops.non_tensor(batch, "data_source", "")
+        scores = batch["token_level_scores"].sum(-1).tolist()
+        rows = []
+        for i, score in enumerate(scores):
+            if keep is None or keep[i]:
+                rows.append({"step": step, "kind": kind, "sample_id": uids[i], "data_source": sources[i] or "images",
+                             "prompt": prompts[i], "score": score})
+        return rows
+
+    def record_validation(self, batch: TensorDict, keep: list[bool] | None = None) -> None:
+        """The core's rows, and the batch's images for :meth:`write_validation_media`."""
+        super().record_validation(batch, keep)
+        images = batch["images"] if keep is None else batch["images"][torch.tensor(keep, dtype=torch.bool)]
+        self._val_images = [*getattr(self, "_val_images", []), images]
+
+    def write_validation_media(self, rows: list[dict], directory: Any, step: int) -> None:
+        """``<step>.png`` beside the validation's JSONL: every image with its prompt and reward under it."""
+        images = getattr(self, "_val_images", [])
+        self._val_images = []
+        if not images:
+            return
+        captions = [f"{row['score']:.3f}  {row['prompt']}" for row in rows]
+        write_captioned_grid(torch.cat(images), captions, directory / f"{step}.png")
+
 
 
 def advantage_defaults(flow: FlowGRPOConfig) -> dict[str, Any]:
@@ -251,6 +292,34 @@ def check_image_size(flow: FlowGRPOConfig, model_path: str) -> None:
         if value and value % multiple:
             raise ConfigError(f"trainer.flow_grpo.{key}={value}: give a multiple of {multiple} pixels for this "
                               "model (or 0 for its default size)")
+
+
+def write_captioned_grid(images: torch.Tensor, captions: list[str], path: Any, columns: int = 8,
+                         caption_height: int = 24) -> Any:
+    """A PNG of ``images`` (uint8 ``[N, 3, H, W]``) in rows of ``columns``, each with its caption (cut to fit)
+    in a white strip under it; returns ``path``."""
+    from pathlib import Path
+
+    from PIL import Image, ImageDraw
+
+    n, _, h, w = images.shape
+    cols = min(columns, n)
+    rows = -(-n // cols)
+    sheet = Image.new("RGB", (cols * w, rows * (h + caption_height)), "white")
+    chars = max(1, (w - 2) // 6)  # PIL's default bitmap font is about 6 pixels a character
+    for i in range(n):
+        r, c = divmod(i, cols)
+        x, y = c * w, r * (h + caption_height)
+        sheet.paste(Image.fromarray(images[i].permute(1, 2, 0).numpy()), (x, y))
+        text = captions[i] if i < len(captions) else ""
+        lines = [text[j:j + chars] for j in range(0, len(text), chars)][: max(1, caption_height // 11)]
+        strip = Image.new("RGB", (w, caption_height), "white")  # drawn apart, so text never runs into a neighbour
+        ImageDraw.Draw(strip).multiline_text((2, 1), "\n".join(lines), fill="black", spacing=1)
+        sheet.paste(strip, (x, y + h))
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sheet.save(out)
+    return out
 
 
 def images_grid(images: torch.Tensor, columns: int = 8) -> np.ndarray:

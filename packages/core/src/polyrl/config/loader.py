@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import logging
 import math
 import types
 import typing
@@ -20,6 +22,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from polyrl.config.overrides import apply_override, parse_override
 from polyrl.errors import ConfigError
 
 #: Role sections whose plugin block is named after ``engine``, and the rollout named after ``name``.
@@ -29,6 +32,11 @@ _PLUGIN_BLOCKS = {"actor": ("engine", "engine"), "critic": ("engine", "engine"),
 
 #: Schema fields the loader fills itself; never suggested or listed to a user.
 _INTERNAL_KEYS = frozenset({"plugin_config"})
+#: Top-level keys of verl's layout (polyrl.config.verl.VERL_ONLY), named in the unknown-key error.
+_VERL_TOP = frozenset({"actor_rollout_ref", "custom_reward_function", "reward_model", "reward_manager",
+                       "global_profiler", "transfer_queue", "ray_kwargs"})
+#: ``--config-format`` choices.
+CONFIG_FORMATS = ("auto", "native", "verl")
 
 
 def read_sources(files: Sequence[str | Path], overrides: Sequence[str]) -> tuple[dict, dict[str, str]]:
@@ -50,14 +58,28 @@ def read_sources(files: Sequence[str | Path], overrides: Sequence[str]) -> tuple
         _deep_merge(merged, data, origins, str(path))
         origins.update({key: f"{path} line {line}" for key, line in _key_lines(path).items()})
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"command-line override '{item}' must look like key=value")
-        try:
-            data = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
-        except Exception as exc:
-            raise ConfigError(f"command-line override '{item}' is malformed: {exc}") from None
-        _deep_merge(merged, data, origins, f"command line '{item}'")
+        override = parse_override(item)  # Hydra's grammar: key=value, +key=value, ++key=value, ~key
+        if override.op == "delete":
+            if _lookup(merged, override.key) is _MISSING:  # not set by a file: it is at its default already
+                continue
+            apply_override(merged, override)
+            for key in [k for k in origins if k == override.key or k.startswith(override.key + ".")]:
+                origins.pop(key)
+            continue
+        value: Any = override.value
+        for part in reversed(override.key.split(".")):
+            value = {part: value}
+        _deep_merge(merged, value, origins, f"command line '{item}'")
     return merged, origins
+
+
+def _lookup(tree: Mapping, key: str) -> Any:
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
 
 
 def _key_lines(path: Path) -> dict[str, int]:
@@ -139,6 +161,9 @@ def check_keys(schema: type, data: Mapping, origins: Mapping[str, str], prefix: 
         if key not in hints:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
+            if not prefix and key in _VERL_TOP:
+                hint = (f" '{key}' is a key of verl's layout: run with --config-format verl (or put the whole "
+                        "config in verl's layout)")
             raise ConfigError(
                 f"unknown config key '{path}' (from {_where(origins, path)}).{hint} "
                 f"Keys of '{prefix.rstrip('.') or 'the config'}': {', '.join(names)}."
@@ -152,7 +177,7 @@ def build(schema: type, data: Mapping, origins: Mapping[str, str], prefix: str =
     """Validate ``data`` against the dataclass ``schema`` and return an instance."""
     check_keys(schema, data, origins, prefix)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), data)
+        merged = OmegaConf.merge(_structured(schema), data)
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = f"{prefix}{exc.full_key}" if getattr(exc, "full_key", None) else prefix.rstrip(".")
@@ -163,6 +188,25 @@ def build(schema: type, data: Mapping, origins: Mapping[str, str], prefix: str =
     return obj
 
 
+@dataclasses.dataclass
+class LoadedConfig:
+    """A loaded config with where its values came from (what ``polyrl config show`` prints)."""
+
+    config: Any
+    #: Dotted key -> where its value came from (``run.yaml line 4``, ``command line '...'``, ``verl ... (...)``).
+    origins: dict[str, str]
+    #: ``native`` or ``verl``: the layout that was read.
+    format: str
+    #: Warnings for the user (verl keys set here that have no effect in polyrl).
+    warnings: list[str]
+
+
+@functools.cache
+def _structured(schema: type) -> Any:
+    """The schema's OmegaConf structured config, built once per schema (``OmegaConf.merge`` copies it)."""
+    return OmegaConf.structured(schema)
+
+
 def load_config(
     schema: type,
     files: Sequence[str | Path] = (),
@@ -170,38 +214,185 @@ def load_config(
     *,
     base: Mapping | None = None,
     plugins: Any = None,
+    config_format: str = "auto",
+    config_path: str | Path | None = None,
+    config_name: str | None = None,
 ) -> Any:
     """Load ``files`` and ``overrides`` (on top of ``base``) into an instance of ``schema``.
 
-    Plugin blocks are validated against registered ``config_schema`` entries of
-    ``plugins`` (the process-wide plugin manager when None).
+    ``config_format``: ``native`` (polyrl's layout), ``verl`` (verl's, mapped onto polyrl's by
+    :mod:`polyrl.config.verl`; ``config_path`` / ``config_name`` name a verl trainer config) or ``auto`` (verl's
+    when the config has ``actor_rollout_ref`` at the top level). Plugin blocks are validated against registered
+    ``config_schema`` entries of ``plugins`` (the process-wide plugin manager when None).
     """
-    raw, origins = read_sources(files, overrides)
+    loaded = load_with_origins(schema, files, overrides, base=base, plugins=plugins, config_format=config_format,
+                               config_path=config_path, config_name=config_name)
+    for warning in loaded.warnings:
+        logging.getLogger("polyrl").warning("%s", warning)
+    return loaded.config
+
+
+def detect_format(files: Sequence[str | Path], overrides: Sequence[str], config_format: str = "auto", *,
+                  config_name: str | None = None) -> str:
+    """``native`` or ``verl`` for ``config_format`` ``auto`` (verl's when a file or an override has
+    ``actor_rollout_ref`` at the top level, a file has a ``defaults:`` list, or ``--config-name`` is given)."""
+    if config_format not in CONFIG_FORMATS:
+        raise ConfigError(f"--config-format {config_format}: choose one of {', '.join(CONFIG_FORMATS)}")
+    verl_marks: list[str] = []
+    for file in files:
+        path = Path(file)
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        except Exception as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if isinstance(data, dict):
+            verl_marks += [f"'{k}' in {path}" for k in ("actor_rollout_ref", "defaults") if k in data]
+    for item in overrides:
+        key = item.lstrip("+~").partition("=")[0].strip()
+        if key.split(".")[0] == "actor_rollout_ref":
+            verl_marks.append(f"command line '{item}'")
+    if config_format == "native":
+        if verl_marks or config_name:
+            where = verl_marks[0] if verl_marks else f"--config-name {config_name}"
+            raise ConfigError(f"{where} is verl's layout, but --config-format native was given: use --config-format "
+                              "verl (or auto)")
+        return "native"
+    if config_format == "verl" or verl_marks or config_name:
+        return "verl"
+    return "native"
+
+
+def load_with_origins(
+    schema: type,
+    files: Sequence[str | Path] = (),
+    overrides: Sequence[str] = (),
+    *,
+    base: Mapping | None = None,
+    plugins: Any = None,
+    config_format: str = "auto",
+    config_path: str | Path | None = None,
+    config_name: str | None = None,
+    strict_plugins: bool = True,
+) -> LoadedConfig:
+    """:func:`load_config`, returning the origin of every value too. ``strict_plugins=False`` keeps the block of a
+    plugin that is not installed as a plain dict instead of refusing it (``polyrl config show``)."""
+    fmt = detect_format(files, overrides, config_format, config_name=config_name)
+    warnings: list[str] = []
+    if fmt == "verl":
+        from polyrl.config.verl import to_native
+
+        if "rollout" not in {f.name for f in dataclasses.fields(schema)}:
+            raise ConfigError("verl's config layout is read by `polyrl train` and `polyrl config show` only")
+        raw, origins, warnings = to_native(files, overrides, config_path=config_path, config_name=config_name)
+    else:
+        if config_path:
+            raise ConfigError("--config-path names a folder of verl configs: use it with --config-name (verl's layout)")
+        raw, origins = read_sources(files, overrides)
+        _check_deletions(schema, overrides)
     if base:
         merged: dict = {}
         _deep_merge(merged, base, {}, "defaults")
-        _deep_merge(merged, raw, origins, "")
+        _deep_merge(merged, raw, {}, "")
         raw = merged
-    return from_dict(schema, raw, origins, plugins=plugins)
+    config = from_dict(schema, raw, origins, plugins=plugins, strict_plugins=strict_plugins)
+    return LoadedConfig(config, origins, fmt, warnings)
 
 
-def from_dict(schema: type, raw: Mapping, origins: Mapping[str, str] | None = None, *, plugins: Any = None) -> Any:
-    """Validate an already merged config dict (see :func:`load_config`)."""
-    origins = dict(origins or {})
-    raw = _copy(raw)
-    _share_model_block(schema, raw)
-    env_keys = _env_interpolations(raw, "")
-    plugin_blocks = _pop_plugin_blocks(schema, raw)
-    config = build(schema, raw, origins)
+def _check_deletions(schema: type, overrides: Sequence[str]) -> None:
+    """``~key`` must name a key of the schema (a typo would otherwise pass unnoticed)."""
+    for item in overrides:
+        if item.strip().startswith("~"):
+            key = parse_override(item).key
+            if not _schema_has(schema, key):
+                raise ConfigError(f"command-line override '{item}': the config has no key '{key}' to delete")
+
+
+def _schema_has(schema: type, key: str) -> bool:
+    """Whether dotted ``key`` names a field of ``schema`` (or lies in a free mapping or a plugin's block)."""
+    cls: Any = schema
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        sub = _dataclass_of(cls)
+        if sub is None or _is_free_mapping(cls):
+            return True
+        hints = typing.get_type_hints(sub)
+        if part not in hints:
+            # a key inside a plugin's block (actor.fsdp.param_offload), which the plugin's own schema checks
+            return "plugin_config" in hints and i < len(parts) - 1
+        cls = hints[part]
+    return True
+
+
+def from_dict(schema: type, raw: Mapping, origins: dict[str, str] | None = None, *, plugins: Any = None,
+              strict_plugins: bool = True) -> Any:
+    """Validate an already merged config dict (see :func:`load_config`). ``origins`` is updated in place with the
+    origins of values the loader copies (the top-level ``model`` block into the roles, verl's spellings)."""
+    if origins is None:
+        origins = {}
+    data: dict = _copy(raw)
+    _apply_spellings(schema, data, origins)
+    _share_model_block(schema, data, origins)
+    env_keys = _env_interpolations(data, "")
+    plugin_blocks = _pop_plugin_blocks(schema, data)
+    _coerce_scalars(schema, data, origins)
+    config = build(schema, data, origins)
     check_values(config, origins)
     for section, (name, block) in plugin_blocks.items():
-        getattr(config, section).plugin_config = _plugin_config(section, name, block, origins, plugins)
+        getattr(config, section).plugin_config = _plugin_config(section, name, block, origins, plugins, strict_plugins)
         plugin = name.partition(".")[2]  # the block ``actor.fsdp`` lives on as ``actor.plugin_config``
         env_keys = {(f"{section}.plugin_config.{k[len(section) + len(plugin) + 2:]}"
                      if k.startswith(f"{section}.{plugin}.") else k): v for k, v in env_keys.items()}
     if env_keys:
         object.__setattr__(config, ENV_INTERPOLATIONS, env_keys)
     return config
+
+
+def _apply_spellings(schema: type, raw: dict, origins: dict[str, str]) -> None:
+    """verl's names of renamed keys (:data:`polyrl.config.schema.VERL_SPELLINGS`) become polyrl's."""
+    from polyrl.config.schema import VERL_SPELLINGS
+
+    for alias, key in VERL_SPELLINGS.items():
+        value = _lookup(raw, alias)
+        if value is _MISSING or not _schema_has(schema, key.split(".")[0]):
+            continue
+        current = _lookup(raw, key)
+        if current is not _MISSING and current != value:
+            raise ConfigError(f"config keys '{alias}' (from {_where(origins, alias)}) and '{key}' (from "
+                              f"{_where(origins, key)}) are two spellings of one key with different values; keep one")
+        parent_path, _, leaf = alias.rpartition(".")
+        parent = _lookup(raw, parent_path) if parent_path else raw
+        del parent[leaf]
+        if parent_path and not parent:  # `rollout.val_kwargs` emptied
+            grand_path, _, name = parent_path.rpartition(".")
+            grand = _lookup(raw, grand_path) if grand_path else raw
+            del grand[name]
+        node = raw
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+        origins[key] = _where(origins, alias)
+
+
+def _coerce_scalars(schema: type, raw: dict, origins: Mapping[str, str], prefix: str = "") -> None:
+    """A single value where the schema wants a list becomes a one-element list (``data.train_files=a.parquet``);
+    a mapping there is an error naming the key."""
+    hints = typing.get_type_hints(schema)
+    for key, value in list(raw.items()):
+        tp = hints.get(key)
+        if tp is None:
+            continue
+        path = f"{prefix}{key}"
+        if typing.get_origin(tp) is list and value is not None and not isinstance(value, (list, tuple)):
+            if isinstance(value, Mapping):
+                raise ConfigError(f"config key '{path}' (from {_where(origins, path)}): expects a list, got a mapping")
+            raw[key] = [value]
+            continue
+        sub = _dataclass_of(tp)
+        if sub is not None and isinstance(value, dict) and not _is_free_mapping(tp):
+            _coerce_scalars(sub, value, origins, path + ".")
 
 
 #: Attribute of a loaded config holding ``{dotted key: "${oc.env:...}" text}`` for values read from the environment.
@@ -269,7 +460,7 @@ def check_values(config: Any, origins: Mapping[str, str] | None = None) -> None:
 _MISSING = object()
 
 
-def _share_model_block(schema: type, raw: dict) -> None:
+def _share_model_block(schema: type, raw: dict, origins: dict[str, str] | None = None) -> None:
     """Roles without their own ``model.path`` train the top-level ``model``."""
     hints = typing.get_type_hints(schema)
     top = raw.get("model")
@@ -283,6 +474,12 @@ def _share_model_block(schema: type, raw: dict) -> None:
             _deep_merge(combined, top, {}, "")
             _deep_merge(combined, own, {}, "")
             role["model"] = combined
+            if origins is not None:
+                own_keys = set(_leaf_paths(own, f"{section}.model")) if own else set()
+                for key in _leaf_paths(top, "model"):
+                    target = f"{section}.{key}"
+                    if target not in own_keys and key in origins:
+                        origins.setdefault(target, origins[key])
 
 
 def _pop_plugin_blocks(schema: type, raw: dict) -> dict[str, tuple[str, Any]]:
@@ -304,13 +501,16 @@ def _pop_plugin_blocks(schema: type, raw: dict) -> dict[str, tuple[str, Any]]:
     return found
 
 
-def _plugin_config(section: str, schema_name: str, block: Any, origins: Mapping[str, str], plugins: Any) -> Any:
+def _plugin_config(section: str, schema_name: str, block: Any, origins: Mapping[str, str], plugins: Any,
+                   strict: bool = True) -> Any:
     from polyrl.plugins import get_plugin_manager
 
     pm = plugins or get_plugin_manager()
     registry = pm.registry("config_schema")
     plugin_name = schema_name.partition(".")[2]
     if schema_name not in registry:
+        if block and not strict:
+            return dict(block)
         if block:
             raise ConfigError(
                 f"config block '{section}.{plugin_name}' has no registered schema: no loaded plugin registers "

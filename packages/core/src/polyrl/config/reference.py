@@ -78,6 +78,8 @@ def render() -> str:
         "Generated from `polyrl.config.schema` by `python -m polyrl.config.reference`; do not edit by hand.",
         "Set keys in a YAML file (`--config run.yaml`) or on the command line (`key=value`, dotted).",
         "An unknown key is an error with a did-you-mean; every error names the key and the file it came from.",
+        "A config in verl's layout is read too and mapped onto these keys ([from_verl.md](from_verl.md)); "
+        "`polyrl config show` prints what a config resolves to.",
         "",
     ]
     for title, cls in (("polyrl train", PolyrlConfig), ("polyrl sft", SFTConfig)):

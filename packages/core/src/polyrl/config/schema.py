@@ -36,6 +36,14 @@ class DataConfig:
     seed: int = 1
     #: Use at most this many validation prompts (0: all).
     val_max_samples: int = 0
+    #: The column holding each row's prompt (verl's ``data.prompt_key``).
+    prompt_key: str = "prompt"
+    #: The column naming each row's data source, which picks its reward function (verl's ``data.reward_fn_key``).
+    reward_fn_key: str = "data_source"
+    #: Where each row's ground truth is, dotted for a nested column (verl's rows: ``reward_model.ground_truth``).
+    ground_truth_key: str = "reward_model.ground_truth"
+    #: Extra keyword arguments of the tokenizer's ``apply_chat_template`` (``{enable_thinking: false}``).
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -82,6 +90,8 @@ class ActorConfig(EngineRoleConfig):
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    #: ``seq-mean-token-sum-norm``'s divisor (verl's ``loss_scale_factor``); null: the response width.
+    loss_scale_factor: float | None = None
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
 
 
@@ -269,6 +279,13 @@ class TrainerSection:
     resume_override: list[str] = field(default_factory=list)
     #: ``console``, ``jsonl``, ``tensorboard``, ``wandb``, ``mlflow``.
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    #: Write every training step's generations (prompt, response, score, reward extras, advantage, length, sample
+    #: id) to ``<dir>/<step>.jsonl`` (empty: off; a relative path is under the run directory).
+    rollout_data_dir: str = ""
+    #: The same for every validation: ``auto`` is ``RUN_DIR/generations/validation``; empty: off.
+    validation_data_dir: str = "auto"
+    #: The first N validation samples as a table in TensorBoard / W&B / MLflow, where those loggers are on (0: none).
+    log_val_generations: int = 10
     progress_bar: bool = True
     seed: int = 1
     #: Weight sync bucket size in MiB.
@@ -347,10 +364,35 @@ VALUE_RULES: dict[str, str] = {
     "trainer.total_steps": ">= 0", "trainer.total_epochs": ">= 0", "trainer.n_workers": "> 0",
     "trainer.rollout_workers": "> 0", "trainer.test_freq": ">= 0", "trainer.save_freq": ">= 0",
     "trainer.max_checkpoints": ">= 0", "trainer.ray_num_cpus": ">= 0", "trainer.report_freq": ">= 0",
+    "trainer.log_val_generations": ">= 0",
+    "reward.max_failed_steps": ">= 0",
     "trainer.weight_bucket_mb": "> 0",
     # the asynchronous modes' numbers, checked before Ray starts (a bad one used to fail inside the rollout stream)
     "trainer.async_max_staleness": ">= 0", "trainer.async_queue_groups": ">= 0", "trainer.async_chunk_groups": ">= 0",
     "trainer.async_tis_cap": ">= 0",
+}
+
+#: verl's names of keys polyrl renamed, accepted in polyrl's layout too (verl name -> polyrl key). Giving both
+#: spellings with different values is an error naming both.
+VERL_SPELLINGS: dict[str, str] = {
+    **{f"{role}.ppo_micro_batch_size_per_gpu": f"{role}.micro_batch_size" for role in ("actor", "critic")},
+    **{f"{role}.ppo_max_token_len_per_gpu": f"{role}.max_token_len_per_gpu" for role in ("actor", "critic")},
+    **{f"{role}.grad_clip": f"{role}.optim.grad_clip" for role in ("actor", "critic")},
+    **{f"{role}.optim.clip_grad": f"{role}.optim.grad_clip" for role in ("actor", "critic")},
+    **{f"{block}.enable_gradient_checkpointing": f"{block}.gradient_checkpointing"
+       for block in ("model", "actor.model", "critic.model")},
+    **{f"{block}.lora_rank": f"{block}.lora.rank" for block in ("model", "actor.model", "critic.model")},
+    **{f"{block}.lora_alpha": f"{block}.lora.alpha" for block in ("model", "actor.model", "critic.model")},
+    **{f"{block}.target_modules": f"{block}.lora.target_modules" for block in ("model", "actor.model", "critic.model")},
+    "ref.log_prob_micro_batch_size_per_gpu": "ref.micro_batch_size",
+    "rollout.tensor_model_parallel_size": "rollout.tensor_parallel_size",
+    "rollout.val_kwargs.temperature": "rollout.val_temperature",
+    "rollout.val_kwargs.top_p": "rollout.val_top_p",
+    "rollout.val_kwargs.n": "rollout.val_n",
+    "trainer.total_training_steps": "trainer.total_steps",
+    "trainer.critic_warmup": "critic.warmup_steps",
+    "trainer.max_actor_ckpt_to_keep": "trainer.max_checkpoints",
+    "trainer.default_local_dir": "trainer.run_dir",
 }
 
 

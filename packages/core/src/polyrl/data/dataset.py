@@ -6,6 +6,7 @@ import logging
 import random
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,35 @@ def load_rows(path: str | Path, plugins: Any = None) -> list[dict]:
     raise DataError(f"data file {path}: no dataset loader for '{key}' files; known: {', '.join(known)}")
 
 
+def head_rows(path: str | Path, n: int, plugins: Any = None) -> list[dict]:
+    """The first ``n`` rows of a data file; JSON lines and parquet are read only that far, other formats whole
+    (:func:`load_rows`, which also gives a broken file's error)."""
+    path = Path(path)
+    if path.suffix == ".jsonl" and path.is_file():
+        import json
+
+        rows: list[dict] = []
+        try:
+            with path.open(encoding="utf-8") as f:
+                for line in f:
+                    if line.strip():
+                        rows.append(json.loads(line))
+                        if len(rows) >= n:
+                            break
+            return rows
+        except (UnicodeDecodeError, ValueError):
+            pass  # load_rows names the line
+    if path.suffix == ".parquet" and path.is_file():
+        try:
+            import pyarrow.parquet as pq
+
+            batch = next(pq.ParquetFile(str(path)).iter_batches(batch_size=n), None)
+            return batch.to_pylist() if batch is not None else []
+        except Exception:  # a corrupt file: load_rows says so
+            pass
+    return load_rows(path, plugins)[:n]
+
+
 def validate_row(row: Any, source: str, i: int) -> None:
     """Raise ``DataError`` naming the file, row and key when ``row`` is not in verl's format."""
     where = f"{source} row {i}"
@@ -56,6 +86,50 @@ def validate_row(row: Any, source: str, i: int) -> None:
         raise DataError(f"{where}: 'reward_model' must be a mapping with 'ground_truth'")
 
 
+@dataclass(frozen=True)
+class RowColumns:
+    """Where a row keeps its prompt, data source and ground truth (``data.prompt_key``, ``data.reward_fn_key``,
+    ``data.ground_truth_key``); rows are rewritten into verl's names (``prompt``, ``data_source``,
+    ``reward_model.ground_truth``) when they are read."""
+
+    prompt: str = "prompt"
+    data_source: str = "data_source"
+    ground_truth: str = "reward_model.ground_truth"
+
+    @classmethod
+    def from_config(cls, data: Any) -> RowColumns:
+        """The columns a ``data`` config block names."""
+        return cls(getattr(data, "prompt_key", "prompt"), getattr(data, "reward_fn_key", "data_source"),
+                   getattr(data, "ground_truth_key", "reward_model.ground_truth"))
+
+    def normalize(self, row: Any, source: str, i: int) -> Any:
+        """``row`` with its columns under verl's names (unchanged when the defaults are used)."""
+        if not isinstance(row, dict) or self == RowColumns():
+            return row
+        row = dict(row)
+        if self.prompt != "prompt":
+            if self.prompt not in row:
+                raise DataError(f"{source} row {i}: missing column '{self.prompt}' (data.prompt_key); the row has "
+                                f"{sorted(row)}")
+            row["prompt"] = row[self.prompt]
+        if self.data_source != "data_source":
+            row["data_source"] = row.get(self.data_source)
+        if self.ground_truth != "reward_model.ground_truth":
+            truth = dotted_get(row, self.ground_truth)
+            row["reward_model"] = {**(row.get("reward_model") or {}), "ground_truth": truth}
+        return row
+
+
+def dotted_get(row: Any, key: str, default: Any = None) -> Any:
+    """``row["a"]["b"]`` for ``key`` ``a.b`` (``default`` where a part is missing)."""
+    node = row
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
 class RLDataset:
     """Prompts ready for generation: rows plus ``prompt_ids`` after the chat template.
 
@@ -69,17 +143,20 @@ class RLDataset:
     """
 
     def __init__(self, files: Sequence[str | Path], tokenizer: Any, *, max_prompt_length: int,
-                 truncation: str = "error", chat_template: bool = True) -> None:
+                 truncation: str = "error", chat_template: bool = True, columns: RowColumns | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
         if truncation not in ("error", "left", "right", "filter"):
             raise DataError(f"data.truncation={truncation!r}: choose error, left, right or filter")
         self.rows: list[dict] = []
         self.stats = {"rows": 0, "filtered": 0, "truncated": 0}
+        columns = columns or RowColumns()
         clip = char_clip(tokenizer, max_prompt_length)
         for file in files:
             for i, row in enumerate(load_rows(file)):
+                row = columns.normalize(row, str(file), i)
                 validate_row(row, str(file), i)
                 ids, over = _bounded_prompt_ids(row["prompt"], tokenizer, chat_template, clip, max_prompt_length,
-                                                keep_end=truncation == "left")
+                                                keep_end=truncation == "left", kwargs=chat_template_kwargs)
                 self.stats["rows"] += 1
                 if over or len(ids) > max_prompt_length:
                     if truncation == "error":
@@ -122,16 +199,16 @@ def char_clip(tokenizer: Any, max_prompt_length: int) -> int:
 
 
 def _bounded_prompt_ids(prompt: Any, tokenizer: Any, chat_template: bool, clip: int, max_prompt_length: int,
-                        *, keep_end: bool) -> tuple[list[int], bool]:
+                        *, keep_end: bool, kwargs: dict[str, Any] | None = None) -> tuple[list[int], bool]:
     """``(ids, certainly_over)``: the prompt's ids, or for a prompt longer than ``clip`` characters the ids of
     a clip of it (its end with ``keep_end``) when those alone exceed the limit."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     contents = [m.get("content") for m in messages]
     if all(isinstance(c, str) for c in contents) and sum(len(c) for c in contents) > clip:
-        ids = _prompt_ids(_clip_messages(messages, clip, keep_end), tokenizer, chat_template)
+        ids = _prompt_ids(_clip_messages(messages, clip, keep_end), tokenizer, chat_template, kwargs)
         if len(ids) > max_prompt_length + _CLIP_SLACK:
             return ids, True
-    return _prompt_ids(messages, tokenizer, chat_template), False
+    return _prompt_ids(messages, tokenizer, chat_template, kwargs), False
 
 
 def _clip_messages(messages: list[dict], chars: int, keep_end: bool) -> list[dict]:
@@ -148,11 +225,11 @@ def _clip_messages(messages: list[dict], chars: int, keep_end: bool) -> list[dic
     return list(reversed(out)) if keep_end else out
 
 
-def _prompt_ids(prompt: Any, tokenizer: Any, chat_template: bool) -> list[int]:
+def _prompt_ids(prompt: Any, tokenizer: Any, chat_template: bool, kwargs: dict[str, Any] | None = None) -> list[int]:
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     if chat_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, **(kwargs or {}))
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

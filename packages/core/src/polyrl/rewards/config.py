@@ -43,3 +43,6 @@ class RewardConfig:
     overlong_penalty_factor: float = 1.0
     #: Response length budget used by the overlong penalty (0: the batch's response width).
     max_response_length: int = 0
+    #: Stop the run when every sample's reward call failed (``reward/all_failed``) this many steps in a row; the
+    #: last checkpoint stays as it was (0: never stop).
+    max_failed_steps: int = 3

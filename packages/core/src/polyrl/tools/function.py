@@ -64,7 +64,9 @@ class ToolThreads(concurrent.futures.Executor):
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads = 0  # live worker threads, hung ones included
-        self._idle = 0
+        self._idle = 0  # threads waiting for work
+        self._pending = 0  # calls in the queue that no thread has taken yet
+        self._idle_s = 60.0  # a thread idle this long ends (tests shorten it)
         self._hung: dict[concurrent.futures.Future, str] = {}  # abandoned calls still running -> tool name
         self._warned_at = 0
 
@@ -90,12 +92,17 @@ class ToolThreads(concurrent.futures.Executor):
                     "with its own timeout)"))
                 return future
             self._work.put((future, fn, args, kwargs))
-            if self._idle == 0 and self._threads - len(self._hung) < self.max_workers:
-                self._threads += 1
-                threading.Thread(target=self._worker, name=f"{self.name}-{self._threads}", daemon=True).start()
-            else:
-                self._idle -= 1 if self._idle else 0
+            self._pending += 1
+            self._start_threads()
         return future
+
+    def _start_threads(self) -> None:
+        """Start a thread for each queued call no idle thread will take, up to ``max_workers`` threads that
+        are not hung (called with the lock held)."""
+        while self._pending > self._idle and self._threads - len(self._hung) < self.max_workers:
+            self._threads += 1
+            self._idle += 1  # counted idle from its start: it goes straight to the queue
+            threading.Thread(target=self._worker, name=f"{self.name}-{self._threads}", daemon=True).start()
 
     def abandon(self, future: concurrent.futures.Future, tool: str, timeout_s: float | None = None) -> None:
         """The caller stopped waiting for ``future`` (a call of ``tool``): cancel it if it has not started,
@@ -106,6 +113,7 @@ class ToolThreads(concurrent.futures.Executor):
             if future.done():
                 return
             self._hung[future] = tool
+            self._start_threads()  # calls queued behind the hung one get a thread of their own
             count = len(self._hung)
             warn = count >= 2 * self._warned_at or count == 1
             if warn:
@@ -123,16 +131,22 @@ class ToolThreads(concurrent.futures.Executor):
             self._hung.pop(future, None)
 
     def _worker(self) -> None:
+        # Accounting: ``_pending`` counts queued calls, ``_idle`` the threads waiting for one. A thread that
+        # takes a call lowers both together, so they stay in step (a call submitted meanwhile still gets a
+        # thread), and a cancelled call, taken and skipped, leaves the thread idle exactly once.
         while True:
             try:
-                future, fn, args, kwargs = self._work.get(timeout=60.0)
+                future, fn, args, kwargs = self._work.get(timeout=self._idle_s)
             except queue.Empty:
                 with self._lock:
-                    if self._idle > 0:  # idle for a minute: give the thread back
+                    if self._idle > self._pending:  # idle for a while and not needed: give the thread back
                         self._idle -= 1
                         self._threads -= 1
                         return
                 continue
+            with self._lock:
+                self._idle -= 1
+                self._pending -= 1
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args, **kwargs))

@@ -10,12 +10,15 @@ train(manifest="polyrl.toml", configs=["my_run.yaml"], overrides=["trainer.total
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from polyrl.errors import CheckpointError, ConfigError
 from polyrl.manifest import Manifest
+
+log = logging.getLogger("polyrl")
 
 
 def _plugins(manifest: str | Path | Manifest | None) -> tuple[Manifest | None, Any]:
@@ -40,13 +43,22 @@ def _check_names(config: Any, pm: Any, sections: Sequence[str]) -> None:
 
 
 def train(manifest: str | Path | Manifest | None = None, configs: Sequence[str | Path] = (),
-          overrides: Sequence[str] = (), *, base: dict | None = None) -> dict[str, float]:
-    """``polyrl train``: RL post-training (PPO / GRPO and family). Returns the final metrics."""
+          overrides: Sequence[str] = (), *, base: dict | None = None, config_format: str = "auto",
+          config_path: str | Path | None = None, config_name: str | None = None,
+          dry_run: bool = False) -> dict[str, float]:
+    """``polyrl train``: RL post-training (PPO / GRPO and family). Returns the final metrics.
+
+    ``config_format`` / ``config_path`` / ``config_name``: the config's layout (``auto``, ``native``, ``verl``;
+    see :func:`polyrl.config.loader.load_config`). ``dry_run``: run every start-up check (plugins and their
+    versions, model paths, data files and columns, reward reachability, layouts, placement) and return ``{}``
+    before any worker starts.
+    """
     from polyrl.config.loader import load_config
     from polyrl.config.schema import PolyrlConfig
 
     manifest, pm = _plugins(manifest)
-    config = load_config(PolyrlConfig, configs, overrides, base=base, plugins=pm)
+    config = load_config(PolyrlConfig, configs, overrides, base=base, plugins=pm, config_format=config_format,
+                         config_path=config_path, config_name=config_name)
     try:
         estimator = pm.entry("advantage_estimator", config.algorithm.adv_estimator)
     except LookupError as exc:
@@ -54,7 +66,13 @@ def train(manifest: str | Path | Manifest | None = None, configs: Sequence[str |
     needs_critic = config.algorithm.adv_estimator == "gae" or estimator.metadata.get("needs_values")
     sections = ["actor", "rollout"] + (["critic"] if needs_critic else [])
     _check_names(config, pm, sections)
-    return _trainer_factory(config, pm)(config, manifest=manifest, plugins=pm).fit()
+    trainer = _trainer_factory(config, pm)(config, manifest=manifest, plugins=pm)
+    if dry_run:
+        trainer.check_placement()
+        log.info("polyrl train --dry-run: every start-up check passed (config, plugins, model, data, rewards, "
+                 "layout, placement); no worker was started")
+        return {}
+    return trainer.fit()
 
 
 def _trainer_factory(config: Any, pm: Any) -> Any:

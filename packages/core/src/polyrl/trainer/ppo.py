@@ -42,6 +42,7 @@ from polyrl.trainer.checkpoint import (
     truncate_metrics,
 )
 from polyrl.trainer.faults import fault_point
+from polyrl.trainer.generations import reward_extras, sample_ids, write_jsonl
 from polyrl.trainer.role_groups import RoleGroups, build_role_groups
 from polyrl.trainer.run_dir import RunDirLock, prepare_run_dir
 from polyrl.trainer.updates import single_update_pass
@@ -74,6 +75,8 @@ class PPOTrainer:
         cfg = config
         self.run_dir = Path(cfg.trainer.run_dir).expanduser().resolve()  # created (and locked) by fit()
         self._check_config()
+        # before the tokenizer and the data sets are built: a run that cannot score its data stops in seconds
+        self.check_rewards()
         self.tokenizer = self.build_tokenizer()
 
         from polyrl.data import RLDataLoader
@@ -180,9 +183,13 @@ class PPOTrainer:
 
         data = self.config.data
 
+        from polyrl.data.dataset import RowColumns
+
         def load(files: Any) -> Any:
             return RLDataset(list(files), self.tokenizer, max_prompt_length=data.max_prompt_length,
-                             truncation=data.truncation, chat_template=data.apply_chat_template)
+                             truncation=data.truncation, chat_template=data.apply_chat_template,
+                             columns=RowColumns.from_config(data),
+                             chat_template_kwargs=dict(data.apply_chat_template_kwargs))
 
         return load(data.train_files), (load(data.val_files) if data.val_files else None)
 
@@ -194,6 +201,53 @@ class PPOTrainer:
         compute_score = load_compute_score(cfg.reward)  # reward.function or verl's custom_reward_function
         manager = self.pm.get("reward_manager", cfg.reward.manager)
         return manager(tokenizer=self.tokenizer, compute_score=compute_score, config=cfg.reward)
+
+    def check_rewards(self) -> None:
+        """Refuse (one ConfigError) a data file none of whose first rows can reach a reward function: no function
+        for its data source, or no ground truth where the function reads one (:mod:`polyrl.rewards.reachability`).
+        Runs first in ``__init__``, before the tokenizer loads. A plugin trainer whose rewards are not verl reward
+        functions replaces it."""
+        from polyrl.data.dataset import RowColumns, head_rows
+        from polyrl.rewards.reachability import SAMPLE_ROWS, check_rewards_reachable
+
+        cfg = self.config
+        columns = RowColumns.from_config(cfg.data)
+        for key in ("val_files", "train_files"):
+            for file in getattr(cfg.data, key):  # each file on its own: one data source each, usually
+                rows = [columns.normalize(r, str(file), i) for i, r in enumerate(head_rows(file, SAMPLE_ROWS, self.pm))]
+                check_rewards_reachable(rows, cfg.reward, cfg.data, source=f"data.{key} ({file})", plugins=self.pm)
+
+    def check_placement(self) -> None:
+        """The start-up checks :meth:`fit` makes before workers start, without starting them (``--dry-run``): the
+        platform ``trainer.device`` names exists, the placement and the rollout's tensor-parallel replicas fit the
+        workers, and a local run's accelerators suffice for the workers."""
+        from polyrl.controller.cluster import cluster_address
+        from polyrl.platforms import select_platform
+        from polyrl.rollout.replicas import plan_replicas
+
+        cfg = self.config
+        trainer = cfg.trainer
+        if trainer.placement not in ("colocated", "split"):
+            raise ConfigError(f"trainer.placement={trainer.placement!r}: choose 'colocated' or 'split'")
+        local = trainer.executor == "local"
+        rollout_devices = 1 if local else (trainer.n_workers if trainer.placement == "colocated"
+                                           else trainer.rollout_workers)
+        plan_replicas(rollout_devices, cfg.rollout.tensor_parallel_size)
+        choice = select_platform(trainer.device, self.pm)  # logs the choice: after the checks that cannot log
+        if trainer.placement == "split" and not local:
+            from polyrl.trainer.weight_sync import resolve_weight_transfer
+
+            resolve_weight_transfer(cfg, choice.platform)
+        platform = choice.platform
+        if local or cluster_address(cfg) or not platform.ray_resource:
+            return
+        needed = trainer.n_workers + (trainer.rollout_workers if trainer.placement == "split" else 0)
+        have = int(platform.device_count())
+        if needed > have:
+            raise ConfigError(f"trainer.n_workers={trainer.n_workers}"
+                              f"{f' + trainer.rollout_workers={trainer.rollout_workers}' if trainer.placement == 'split' else ''}"
+                              f" workers need {needed} {choice.name} devices; this machine has {have}. Lower the worker "
+                              "counts (verl: trainer.n_gpus_per_node), or join a cluster (trainer.ray_address)")
 
     def batch_metrics(self, batch: TensorDict) -> dict[str, float]:
         """Scores, advantages, lengths and KL of a trained batch (``critic/*``, ``response_length/*``...)."""
@@ -332,9 +386,11 @@ class PPOTrainer:
             if resume_from is None:
                 self.groups.sync_weights()
             if self.val_set is not None and cfg.trainer.val_before_train and resume_from is None:
-                last_val = self.validate()
+                last_val = self._run_validation()
                 tracker.log(last_val, self.global_step)
+                self._keep_validation(tracker)
                 self._write_report(live=True)
+            failed_steps = 0
             bar = _progress(cfg.trainer.progress_bar, self.total_steps, self.global_step)
             profiler = self._step_profiler()
             self.rollout_source.start()
@@ -345,12 +401,15 @@ class PPOTrainer:
                 if self.val_set is not None and cfg.trainer.test_freq and (
                     self.global_step % cfg.trainer.test_freq == 0 or is_last
                 ):
-                    last_val = self.validate()
+                    last_val = self._run_validation()
                     metrics.update(last_val)
                 # metrics first: a checkpoint at step N implies N's metrics line exists (resume re-runs the rest)
                 tracker.log(metrics, self.global_step)
+                self._keep_validation(tracker)
                 fault_point("metrics", self.global_step)
                 self._refresh_report(metrics, is_last)
+                failed_steps = failed_steps + 1 if metrics.get("reward/all_failed", 0.0) >= 1.0 else 0
+                self._check_failed_rewards(failed_steps)
                 if cfg.trainer.save_freq > 0 and (self.global_step % cfg.trainer.save_freq == 0 or is_last):
                     self.save()
                 if bar is not None:
@@ -367,6 +426,68 @@ class PPOTrainer:
             finally:
                 self._lock.release()
         return {**metrics, **last_val}
+
+    # ------------------------------------------------------------------ generations and reward failures
+    def _dump_dir(self, kind: str) -> Path | None:
+        """Where ``kind`` (``train`` / ``validation``) generations go (``trainer.rollout_data_dir`` /
+        ``trainer.validation_data_dir``); None when off."""
+        from polyrl.trainer.generations import resolve_dir
+
+        trainer = self.config.trainer
+        if kind == "train":
+            return resolve_dir(trainer.rollout_data_dir, self.run_dir, "generations/train")
+        return resolve_dir(trainer.validation_data_dir, self.run_dir, "generations/validation")
+
+    def generation_rows(self, batch: TensorDict, *, step: int, kind: str, keep: list[bool] | None = None) -> list[dict]:
+        """The JSON rows of what ``batch`` holds (:func:`polyrl.trainer.generations.generation_rows`); a plugin trainer
+        whose samples are not text (images) replaces it."""
+        from polyrl.trainer.generations import generation_rows
+
+        return generation_rows(batch, self.tokenizer, step=step, kind=kind, keep=keep)
+
+    def record_validation(self, batch: TensorDict, keep: list[bool] | None = None) -> None:
+        """Called by :meth:`validate` with each scored validation batch (``keep``: False for padding rows); the rows
+        are written and shown in the trackers once the validation ends."""
+        if self._dump_dir("validation") is None and not self.config.trainer.log_val_generations:
+            return
+        self._val_rows = getattr(self, "_val_rows", [])
+        self._val_rows += self.generation_rows(batch, step=self.global_step, kind="validation", keep=keep)
+
+    def write_validation_media(self, rows: list[dict], directory: Path, step: int) -> None:
+        """Files beside a validation's JSONL (none for text; polyrl-diffusion writes a PNG grid of the images)."""
+
+    def _run_validation(self) -> dict[str, float]:
+        """:meth:`validate`, its generations collected afresh (see :meth:`record_validation`)."""
+        self._val_rows = []
+        return self.validate()
+
+    def _keep_validation(self, tracker: Any) -> None:
+        """Write the last validation's generations (JSONL, media) and log the first ``log_val_generations`` rows as a
+        table to the trackers."""
+        rows, self._val_rows = getattr(self, "_val_rows", []), []
+        if not rows:
+            return
+        directory = self._dump_dir("validation")
+        if directory is not None:
+            write_jsonl(directory / f"{self.global_step}.jsonl", rows)
+            self.write_validation_media(rows, directory, self.global_step)
+        if self.config.trainer.log_val_generations:
+            tracker.log_generations(rows[: self.config.trainer.log_val_generations], self.global_step)
+
+    def _check_failed_rewards(self, failed_steps: int) -> None:
+        """Stop the run when ``reward/all_failed`` held for ``reward.max_failed_steps`` steps in a row."""
+        limit = self.config.reward.max_failed_steps
+        if not limit or failed_steps < limit:
+            return
+        from polyrl.errors import RewardError
+
+        last = self.ckpt.latest()
+        kept = f"the last checkpoint ({last}) is kept as it was" if last else "no checkpoint was written"
+        raise RewardError(
+            f"every sample's reward call failed for {failed_steps} steps in a row (steps "
+            f"{self.global_step - failed_steps + 1}-{self.global_step}, reward/all_failed): stopping "
+            f"(reward.max_failed_steps={limit}); {kept}. Fix the reward function (its error is in the warnings above "
+            f"and in {self.run_dir / 'train.log'}), then run again to resume")
 
     def _step_profiler(self) -> Any:
         """The driver's side of ``trainer.profile`` (None when no step is to be recorded)."""
@@ -483,6 +604,8 @@ class PPOTrainer:
             with _timer(timing, "reward"):
                 out = self.reward_fn(batch)
             batch["token_level_scores"] = out.token_level_scores.float()
+            if self._dump_dir("train") is not None:  # the reward's extra columns ride along for the dump
+                batch_ops.set_non_tensor(batch, "reward_extra", reward_extras(out.extra, batch.batch_size[0]))
             fold_tool_rewards(batch, cfg.agent)  # tools' ToolResult.reward, as agent.tool_reward says
             for k, v in out.metrics.items():
                 reward_metrics[k].append(float(v))
@@ -580,6 +703,10 @@ class PPOTrainer:
             self.rollout_source.push_weights()  # sync: groups.sync_weights()
 
         metrics.update(self.rollout_source.end_step(self.global_step + 1, batch))  # async: staleness, sample ids
+        directory = self._dump_dir("train")
+        if directory is not None:  # what was trained, token for token (trainer.rollout_data_dir)
+            write_jsonl(directory / f"{self.global_step + 1}.jsonl",
+                        self.generation_rows(batch, step=self.global_step + 1, kind="train"))
         metrics.update(groups.memory_metrics())  # perf/<group>/...: each worker group's Platform.memory_stats
         metrics.update(self.batch_metrics(batch))
         metrics.update(agent_metrics(batch))
@@ -599,6 +726,8 @@ class PPOTrainer:
         batch_ops.set_non_tensor(batch, "data_source", [s.get("data_source", "") for s in samples])
         batch_ops.set_non_tensor(batch, "ground_truth", [(s.get("reward_model") or {}).get("ground_truth") for s in samples])
         batch_ops.set_non_tensor(batch, "extra_info", [s.get("extra_info") or {} for s in samples])
+        if "sample_id" not in batch.keys():
+            batch_ops.set_non_tensor(batch, "sample_id", sample_ids(rows, n))
         return batch
 
     def pad_rows(self, rows: list[dict]) -> list[dict]:
@@ -627,6 +756,9 @@ class PPOTrainer:
             rows = self.pad_rows(rows)
             batch = self.generate_batch(rows, k, validate=True)
             out = self.reward_fn(batch)
+            batch["token_level_scores"] = out.token_level_scores.float()
+            batch_ops.set_non_tensor(batch, "reward_extra", reward_extras(out.extra, batch.batch_size[0]))
+            self.record_validation(batch, keep=[not rows[j // k].get("_pad") for j in range(batch.batch_size[0])])
             correct = out.extra.get("acc") or [float(s > 0) for s in out.token_level_scores.sum(-1).tolist()]
             sources = batch_ops.non_tensor(batch, "data_source")
             if "tool_calls" in batch.keys():
