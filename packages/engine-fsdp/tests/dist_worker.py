@@ -43,7 +43,8 @@ def make_engine(model_dir: str, role: str = "actor", model_type: str = "causal_l
     # eps=1e-6: attention's k_proj bias has an exactly-zero true gradient, and with eps=1e-8 Adam turns its
     # float-rounding noise (which depends on the reduction order, i.e. the world size) into lr-sized steps.
     optim = kw.pop("optim", None) or OptimConfig(lr=kw.pop("lr", 1e-3), grad_clip=1.0, eps=1e-6)
-    cfg = EngineRoleConfig(model=ModelConfig(path=model_dir), optim=optim,
+    model = ModelConfig(path=model_dir, **{k: kw.pop(k) for k in ("lora", "attn_implementation") if k in kw})
+    cfg = EngineRoleConfig(model=model, optim=optim,
                            micro_batch_size=kw.pop("micro_batch_size", 2), **kw)
     return FSDPEngine(cfg, role=role, model_type=model_type, platform=platform or CPUPlatform())
 

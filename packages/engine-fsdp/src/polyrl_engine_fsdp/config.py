@@ -31,6 +31,13 @@ class FSDPConfig:
     #: (GRPO's ``n`` samples of a prompt): same log-probs and gradients, ``(n - 1) / n`` of the prompt
     #: tokens' compute saved. Off with ``use_remove_padding`` or gradient checkpointing.
     shared_prompt: bool = True
+    #: Ulysses sequence parallelism (verl's name): this many consecutive ranks split each sequence and exchange
+    #: attention heads by all-to-all; they form one data-parallel group. Must divide the role's ranks and the
+    #: model's attention heads; 1 = off. See docs/engines/fsdp.md, "Long sequences".
+    ulysses_sequence_parallel_size: int = 1
+    #: Move the activations the forward pass saves for backward to CPU memory, and back for backward (verl's
+    #: ``enable_activation_offload``): less accelerator memory for one more copy each way.
+    activation_offload: bool = False
     #: What ``export_hf`` writes for a LoRA model: ``merged`` weights or the ``adapter`` alone.
     lora_export: str = "merged"
     #: Largest safetensors file ``export_hf`` writes (transformers' ``max_shard_size``); a bigger model is

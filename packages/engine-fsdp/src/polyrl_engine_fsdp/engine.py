@@ -40,14 +40,18 @@ from polyrl.errors import CheckpointError, ConfigError
 from polyrl.lr_schedules import build_lr_scheduler
 from polyrl.models.paths import check_model_path
 from polyrl.protocols import INFERENCE_ROLES, ForwardProducts, LossScale
+from polyrl_engine_fsdp.activation_offload import offload_activations
 from polyrl_engine_fsdp.config import FSDPConfig, check_choice, torch_dtype
 from polyrl_engine_fsdp.multimodal import embed_with_images
+from polyrl_engine_fsdp.ulysses import SequenceParallel, check_sequence_parallel
 
 logger = logging.getLogger(__name__)
 
 _NEEDED = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 #: transformers attention implementations that build per-sequence masks from restarting position_ids
 _PACKED_ATTENTION = {"sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"}
+#: flash attention's varlen keyword arguments (transformers' ``FlashAttentionKwargs``), for sequence parallelism
+_VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 # ---------------------------------------------------------------------------- the root module
@@ -74,8 +78,8 @@ class _Head(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, index, targets, temperature: float = 1.0,
                 compute_entropy: bool = False, prompt_ids=None, prompt_mask=None, prompt_positions=None,
-                prompt_of_row=None, products: ForwardProducts | None = None,
-                gather=None, images=None, image_mask=None) -> dict[str, torch.Tensor]:
+                prompt_of_row=None, products: ForwardProducts | None = None, gather=None, images=None,
+                image_mask=None, sp_gather=None, **attention_kwargs) -> dict[str, torch.Tensor]:
         """Flat ``log_probs`` (and ``entropy``) or ``values`` of the tokens ``index`` selects, and the
         :class:`~polyrl.protocols.ForwardProducts` asked for (``gather``: ``[N, k]`` ids for ``gather_ids``).
 
@@ -89,13 +93,17 @@ class _Head(nn.Module):
         their embeddings are the vision tower's features (:func:`polyrl_engine_fsdp.multimodal.embed_with_images`);
         images without a mask are a blank run that adds nothing (a sharded rank without images keeps FSDP's
         gathers in step).
+
+        With sequence parallelism the inputs are this rank's slice and ``sp_gather`` (a
+        :class:`~polyrl_engine_fsdp.ulysses.GatherPlan`) assembles every rank's outputs; ``attention_kwargs``
+        reach the attention (flash attention's varlen lengths).
         """
         backbone, head = self._parts()
         if prompt_ids is None:
             text = {"input_ids": input_ids} if images is None else {
                 "inputs_embeds": embed_with_images(backbone, input_ids, images, image_mask)}
             hidden = backbone(attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                              **text).last_hidden_state
+                              **text, **attention_kwargs).last_hidden_state
         else:
             from polyrl.models.kv_cache import cache_kwargs, new_cache
 
@@ -113,7 +121,8 @@ class _Head(nn.Module):
             hidden = torch.cat([prefix.last_hidden_state[prompt_of_row, -1:], rest[:, :-1]], dim=1)
         h = hidden.reshape(-1, hidden.shape[-1])[index]
         if self.model_type == "value":
-            return {"values": head(h).squeeze(-1).float().clone()}
+            values = head(h).squeeze(-1).float().clone()
+            return {"values": values if sp_gather is None else sp_gather(values)}
         extra = products.output_keys() if products else ()
         top_k = products.top_k if products else 0
         if top_k > head.weight.shape[0]:
@@ -143,7 +152,7 @@ class _Head(nn.Module):
             out["entropy"] = torch.cat(parts["entropy"]).clone()
         for key in extra:
             out[key] = torch.cat(parts[key]).clone()
-        return out
+        return out if sp_gather is None else {k: sp_gather(v) for k, v in out.items()}
 
 
 def _chunk_logprob(h, y, weight, bias, temperature: float, compute_entropy: bool,
@@ -209,9 +218,10 @@ class FSDPEngine:
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
         self.step = 0
         self.lora = config.model.lora.rank > 0
+        self.sp = self._sequence_parallel_group()
         # HF models drop the KV cache under gradient checkpointing, which the shared-prompt forward needs
         self._shared_prompt = (self.fsdp.shared_prompt and not config.use_remove_padding
-                               and not config.model.gradient_checkpointing)
+                               and not config.model.gradient_checkpointing and self.sp is None)
         #: A vision-language model's ``vision_config`` (set by :meth:`load_model`; ``None``: text only).
         self.vision: Any = None
         self._vision_trained = False
@@ -221,15 +231,49 @@ class FSDPEngine:
             self._build_optimizer()
 
     # ------------------------------------------------------------------ construction
+    @classmethod
+    def data_parallel_size(cls, role_config: Any, world_size: int, *, role: str = "actor") -> int:
+        """The data-parallel size of a role on ``world_size`` ranks: ``world_size / ulysses_sequence_parallel_size``,
+        or a one-line :class:`ConfigError` naming the key. Called by the trainer before any worker starts: checks
+        that the sequence-parallel size divides the ranks and the attention heads of the model's ``config.json``
+        (a local folder's; a Hub id's heads are checked when the engine builds), and the attention."""
+        fsdp = role_config.plugin_config if isinstance(role_config.plugin_config, FSDPConfig) else FSDPConfig()
+        size = fsdp.ulysses_sequence_parallel_size
+        key = f"{role}.{cls.config_section}.ulysses_sequence_parallel_size"
+        cls._check_splits_sequences(size, key)
+        return check_sequence_parallel(size, world_size, key=key, role=role,
+                                       hf_config=_local_hf_config(role_config.model) if size > 1 else None,
+                                       attn_implementation=role_config.model.attn_implementation,
+                                       packed=role_config.use_remove_padding)
+
+    @classmethod
+    def _check_splits_sequences(cls, size: int, key: str) -> None:
+        """Ulysses splits sequences inside this engine's own forward (:meth:`wrap_model`, :meth:`forward_micro_batch`);
+        a subclass that replaces them (another kind of model) gets a ConfigError rather than a silent no-op."""
+        own = cls.forward_micro_batch is FSDPEngine.forward_micro_batch and cls.wrap_model is FSDPEngine.wrap_model
+        if size > 1 and not own:
+            raise ConfigError(f"{key}={size}: engine {cls.__name__} runs a forward pass of its own, which Ulysses "
+                              "sequence parallelism does not split; set it to 1")
+
     @property
     def dp_rank(self) -> int:
-        """This rank in the role's (pure data-parallel) worker group."""
-        return self._rank
+        """This rank's data-parallel group: the ranks of one sequence-parallel group share it."""
+        return self._rank // self.sequence_parallel_size
 
     @property
     def dp_size(self) -> int:
-        """The world size of the role's worker group."""
-        return self._world
+        """Data-parallel groups: the role's ranks divided by ``fsdp.ulysses_sequence_parallel_size``."""
+        return self._world // self.sequence_parallel_size
+
+    @property
+    def collects_output(self) -> bool:
+        """Whether the driver keeps this rank's results: the first rank of each sequence-parallel group."""
+        return self._rank % self.sequence_parallel_size == 0
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks that split each sequence (``fsdp.ulysses_sequence_parallel_size``); 1 without Ulysses."""
+        return self.sp.size if self.sp is not None else 1
 
     @property
     def rank(self) -> int:
@@ -314,11 +358,32 @@ class FSDPEngine:
         chunked LM head (or value head) on the predicting positions only."""
         return _Head(model, self.model_type, max(1, self.config.logits_chunk_size))
 
+    def _sequence_parallel_group(self) -> SequenceParallel | None:
+        """This rank's Ulysses group (``fsdp.ulysses_sequence_parallel_size`` > 1), the layout checked first."""
+        size = self.fsdp.ulysses_sequence_parallel_size
+        self._check_splits_sequences(size, self._sp_key)
+        check_sequence_parallel(size, self._world, key=self._sp_key, role=self.role,
+                                attn_implementation=self.config.model.attn_implementation,
+                                packed=self.config.use_remove_padding)
+        return SequenceParallel.build(size) if size > 1 else None
+
+    @property
+    def _sp_key(self) -> str:
+        return f"{self.role}.{self.config_section}.ulysses_sequence_parallel_size"
+
     def _build_model(self) -> None:
         self.check_options()
         dtype = torch_dtype(self.config.model.dtype, f"{self.role}.model.dtype")
         torch.manual_seed(self.config.seed)
         model = self.load_model(dtype)
+        if self.sp is not None and self.vision is not None:
+            raise ConfigError(f"{self._sp_key}={self.sp.size}: sequence parallelism does not take vision-language "
+                              f"models yet ({self.config.model.path}); set it to 1 for this role")
+        if self.sp is not None:  # the model's heads are known now; its attention becomes the Ulysses wrapper
+            check_sequence_parallel(self.sp.size, self._world, key=self._sp_key, role=self.role,
+                                    hf_config=model.config, attn_implementation=self.config.model.attn_implementation,
+                                    packed=self.config.use_remove_padding)
+            self.sp.install(model, self.config.model.attn_implementation)
         if self.lora:
             model = self.apply_lora(model, self.config.model.lora)
         if self.vision is not None:  # frozen (model.freeze_vision_tower, or LoRA): weight sync leaves it out
@@ -504,17 +569,26 @@ class FSDPEngine:
         if self.vision is not None:
             return self._forward_multimodal(mb, temperature, compute_entropy, products)
         mb = _trim(mb)
-        inputs = _model_inputs(mb, packed=self.config.use_remove_padding, shared_prompt=self._shared_prompt,
-                               uniform=not self.replicated)
+        inputs: dict[str, Any] = _model_inputs(mb, packed=self.config.use_remove_padding,
+                                               shared_prompt=self._shared_prompt, uniform=not self.replicated)
         if products and products.gather_ids:
             require_fields(mb, [products.gather_ids], f"{self.role} engine forward products (gather_ids)")
             inputs["gather"] = mb[products.gather_ids][inputs["rows"], inputs["cols"]]
+        extra: dict[str, Any] = {}
+        if self.sp is not None:  # this rank's slice of the sequence; the outputs come back whole
+            if products:
+                raise ValueError(f"the {self.role} engine: forward products ({', '.join(products.requested())}) are "
+                                 "not computed with sequence parallelism (fsdp.ulysses_sequence_parallel_size > 1)")
+            inputs = self.sp.shard(inputs, flash=self.config.model.attn_implementation.startswith("flash"))
+            extra["sp_gather"] = inputs.pop("gather").to(self.device)
+            extra.update({k: inputs.pop(k) for k in _VARLEN_KEYS if k in inputs})
         dev = {k: v.to(self.device) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        extra = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
         shared = {k: dev[k] for k in ("prompt_ids", "prompt_mask", "prompt_positions", "prompt_of_row") if k in dev}
         if products:
             shared.update(products=products, gather=dev.get("gather"))
         flat = self.module(dev["input_ids"], dev.get("attention_mask"), dev["position_ids"], dev["index"],
-                           dev["targets"], temperature=temperature, compute_entropy=compute_entropy, **shared)
+                           dev["targets"], temperature=temperature, compute_entropy=compute_entropy, **shared, **extra)
         shape = tuple(mb["responses"].shape)
         rows, cols = dev["rows"], dev["cols"]
         out = {k: torch.zeros(shape + tuple(v.shape[1:]), dtype=v.dtype, device=v.device).index_put((rows, cols), v)
@@ -555,7 +629,8 @@ class FSDPEngine:
         """Row indices of each micro-batch of ``batch``: ``micro_batch_size`` rows each, or with ``dynamic`` up
         to ``max_token_len_per_gpu`` tokens each (first-fit decreasing). ``None`` entries pad this rank to the
         largest count of any rank (every rank runs the same number of passes: they are collective); run
-        :meth:`padding_micro_batch` for them. Collective."""
+        :meth:`padding_micro_batch` for them. With sequence parallelism the token budget is the group's (its
+        ``sp`` ranks each hold ``1/sp`` of the tokens), as in verl. Collective."""
         cfg = self.config
         size = batch.batch_size[0]
         if dynamic:
@@ -565,7 +640,7 @@ class FSDPEngine:
             lengths = [a + b for a, b in zip(p_len, r_len)]
             order = sorted(range(size), key=lambda i: -lengths[i])
             groups: list[list[int]] = []
-            budget = cfg.max_token_len_per_gpu
+            budget = cfg.max_token_len_per_gpu * self.sequence_parallel_size
             for i in order:  # first-fit decreasing by tokens
                 for g in groups:
                     # packed: the tokens themselves; padded: the rectangle left after trimming padding columns
@@ -650,15 +725,19 @@ class FSDPEngine:
         if self.optimizer is None:
             raise RuntimeError(f"the {self.role} engine has no optimizer (role 'ref' only infers)")
         self.module.train()
+        # the ranks of a sequence-parallel group hold the same shard: count it once
         totals = self._all_reduce(torch.tensor([float(batch["response_mask"].sum()), float(batch.batch_size[0])],
-                                               dtype=torch.float64))
-        scale = LossScale(dp_size=self._world, batch_num_tokens=int(totals[0]), global_batch_size=int(totals[1]))
+                                               dtype=torch.float64)) / self.sequence_parallel_size
+        scale = LossScale(dp_size=self.dp_size, batch_num_tokens=round(float(totals[0])),
+                          global_batch_size=round(float(totals[1])))
         metrics: dict[str, float] = {}
         splits = self.split_micro_batches(batch, self.config.use_dynamic_bsz)
         real = max(1, sum(rows is not None for rows in splits))
         for rows in splits:
             mb = self.padding_micro_batch(batch) if rows is None else batch[rows]
-            out, trimmed = self.forward_micro_batch(mb, temperature, compute_entropy=self.model_type != "value", **kw)
+            with offload_activations(self.device) if self.fsdp.activation_offload else contextlib.nullcontext():
+                out, trimmed = self.forward_micro_batch(mb, temperature, compute_entropy=self.model_type != "value",
+                                                        **kw)
             loss, m = loss_fn(out, trimmed.to(self.device), scale)
             loss.backward()
             if rows is not None:  # a padding micro-batch's metrics would dilute the mean
@@ -899,6 +978,24 @@ class FSDPEngine:
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def _local_hf_config(model: Any) -> Any:
+    """The attention-head count of ``model.path``'s ``config.json`` (with ``model.override_config``) when it is a
+    local folder, else ``None``; read as JSON, so no model code runs."""
+    from types import SimpleNamespace
+
+    path = Path(str(model.path)) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        conf = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # reported, naming the file, when the engine loads the model
+    if "num_attention_heads" not in conf:  # a multimodal config keeps its language model's in text_config
+        conf = {**conf, **(conf.get("text_config") or {})}
+    conf.update(model.override_config or {})
+    return SimpleNamespace(num_attention_heads=conf.get("num_attention_heads"))
 
 
 def _fused_adam_devices() -> set[str]:

@@ -435,8 +435,9 @@ def _role_entries(prefix: str, section: str, *, ref: bool = False, critic: bool 
     out: list[Entry] = [
         Ignored(f"{prefix}.profiler.*", _PROFILE, open=True),
         Ignored(f"{prefix}.rollout_n", "a copy of actor_rollout_ref.rollout.n"),
-        Ignored(f"{prefix}.ulysses_sequence_parallel_size", "Ulysses sequence parallelism: polyrl's engines keep "
-                "whole sequences per device (bound memory with use_dynamic_bsz / ppo_max_token_len_per_gpu)"),
+        Ignored(f"{prefix}.ulysses_sequence_parallel_size", "Ulysses sequence parallelism is polyrl's "
+                f"`{section}.fsdp.ulysses_sequence_parallel_size` (docs/engines/fsdp.md); the verl front end does not "
+                "map it yet: set that key in polyrl's layout"),
         Ignored(f"{prefix}.load_weight", "polyrl always loads the weights from the model path"),
         Ignored(f"{fsdp}.*", _PERF),
         Ignored(f"{fsdp}._target_", "verl's dataclass name"),
@@ -582,7 +583,9 @@ def _model_entries(prefix: str, section: str, *, critic: bool = False) -> list[E
         Refused(f"{prefix}.lora.type", "polyrl's LoRA is peft's plain LoRA", allowed=("lora",)),
         Refused(f"{prefix}.lora.adapter_path", "polyrl starts LoRA from fresh adapters", allowed=(None,)),
         Ignored(f"{prefix}.use_shm", _PERF),
-        Ignored(f"{prefix}.enable_activation_offload", _PERF),
+        Ignored(f"{prefix}.enable_activation_offload", "polyrl's engine option `fsdp.activation_offload` of each role "
+                "(docs/engines/fsdp.md); "
+                "the verl front end does not map it yet: set that key in polyrl's layout"),
         Ignored(f"{prefix}.tiled_mlp.*", _PERF),
         Refused(f"{prefix}.external_lib", "import your model code in a plugin module listed in the manifest "
                 "(docs/plugins)", allowed=(None,)),

@@ -141,6 +141,8 @@ class PPOTrainer:
                                         extra_roles=self.role_specs)
         if self.use_critic:  # the critic engine's layout errors (critic.megatron...) before any worker starts
             self.data_parallel_size("critic")
+        if self.use_ref and cfg.ref.plugin_config is not None:  # its own layout (ref.fsdp...) before workers start
+            self.data_parallel_size("ref")
         mode = cfg.actor.recompute_old_log_prob
         if mode not in ("auto", "always"):
             raise ConfigError(f"actor.recompute_old_log_prob={mode!r}: choose 'auto' or 'always'")
@@ -415,7 +417,12 @@ class PPOTrainer:
         placement = getattr(self, "placement", None)
         if placement is not None and section != "actor":  # the role's own pool (trainer.placement)
             world = placement.size_of(section)
-        role = getattr(cfg, section)
+        if section == "ref":  # the actor's config with the ref's own options (what the workers build it from)
+            from polyrl.trainer.role_worker import ref_role_config
+
+            role = ref_role_config(cfg)
+        else:
+            role = getattr(cfg, section)
         try:
             factory = self.pm.get("engine", role.engine)
         except LookupError:  # reported with the key by the command's name check

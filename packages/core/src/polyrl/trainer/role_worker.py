@@ -223,17 +223,7 @@ class Worker:
                 self._release_role(name)
 
     def _ref_role_config(self) -> Any:
-        import copy
-
-        cfg = copy.deepcopy(self.config.actor)
-        ref = self.config.ref
-        if ref.engine:
-            cfg.engine = ref.engine
-        if ref.plugin_config is not None:
-            cfg.plugin_config = ref.plugin_config
-        cfg.micro_batch_size = ref.micro_batch_size
-        cfg.model.lora.rank = 0
-        return cfg
+        return ref_role_config(self.config)
 
     def _build_rollout(self) -> None:
         from polyrl.agent_loops import BatchingClient
@@ -623,6 +613,22 @@ class Worker:
             weight_group.close()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def ref_role_config(config: Any) -> Any:
+    """The reference policy's engine config: the actor's, with ``ref.engine``, ``ref.<engine>`` options and
+    ``ref.micro_batch_size`` where set, and no LoRA."""
+    import copy
+
+    cfg = copy.deepcopy(config.actor)
+    ref = config.ref
+    if ref.engine:
+        cfg.engine = ref.engine
+    if ref.plugin_config is not None:
+        cfg.plugin_config = ref.plugin_config
+    cfg.micro_batch_size = ref.micro_batch_size
+    cfg.model.lora.rank = 0
+    return cfg
 
 
 def _takes_keyword(factory: Any, name: str) -> bool:
