@@ -483,7 +483,7 @@ class MegatronEngine:
         elif self._chunked:
             flat = self._chunked_log_probs(output, mb, temperature, compute_entropy)
         else:
-            from polyrl_engine_megatron.vocab_parallel import vocab_parallel_log_probs, vocab_parallel_products
+            from polyrl_engine_megatron.vocab_parallel import vocab_parallel_log_probs
 
             lp, ent = vocab_parallel_log_probs(output[mb.pred_row, mb.pred_pos], mb.targets,
                                                vocab_start=self.vocab_start, group=self.tp_group,
