@@ -207,7 +207,7 @@ test-lowest:
 
 # --- distributions -------------------------------------------------------------------------------------
 # Every package's sdist and wheel (built from the sdist, so a file missing from the sdist fails here) in dist/.
-ALL_PACKAGES := core engine-fsdp engine-megatron rollout-vllm rollout-sglang diffusion hw-ascend hw-rocm
+ALL_PACKAGES := core engine-fsdp engine-megatron rollout-vllm rollout-sglang diffusion hw-ascend hw-rocm recipes
 DIST := dist
 dist: install
 	rm -rf $(DIST)

@@ -1,6 +1,6 @@
 """Each polyrl package alone, from its wheel: a fresh venv with only its declared dependencies, then its smoke tests.
 
-``make test-packages`` (after ``make dist``) runs this for the 8 packages; CI calls it from ``.ci/run``. Per
+``make test-packages`` (after ``make dist``) runs this for the 9 packages; CI calls it from ``.ci/run``. Per
 package:
 
 1. a fresh venv (``--without-pip``: pip runs from outside it, with ``pip --python``) that also sees one shared
@@ -16,7 +16,7 @@ Why the base proves the same as a venv built from nothing: every package depends
 itself), so torch and the core's dependencies are in each package's own dependency closure; the base holds
 exactly those (the core's wheel is installed into it and removed again, leaving its dependencies) plus pytest.
 Nothing else is visible to a package: what it imports without declaring it, or without the core declaring it,
-fails here. What it saves: unpacking torch, transformers, pyarrow... eight times (about 9 of the 11 minutes
+fails here. What it saves: unpacking torch, transformers, pyarrow... once per package (about 9 of the 11 minutes
 this step took with a torch-only base on 2 cores).
 
 The base venv and the pip cache make a second local run fast; the per-package venvs are rebuilt every time.
@@ -49,7 +49,10 @@ PACKAGES = {
     "diffusion": ("polyrl-diffusion", "diffusion"),
     "hw-ascend": ("polyrl-hw-ascend", "hw-ascend"),
     "hw-rocm": ("polyrl-hw-rocm", "hw-rocm"),
+    "recipes": ("polyrl-recipes", "recipes"),
 }
+#: extras a package's smoke tests need beyond ``polyrl[testing]`` (the recipes train with the FSDP engine)
+EXTRAS = {"recipes": "[test]"}
 CONSTRAINTS = ["-c", str(ROOT / "requirements" / "torch.txt"), "-c", str(ROOT / "requirements" / "lock.txt")]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false",
            PIP_DISABLE_PIP_VERSION_CHECK="1", PYTHONDONTWRITEBYTECODE="1")
@@ -112,7 +115,7 @@ def check_package(package: str, dist: Path, venvs: Path, base: Path) -> dict:
     site.mkdir(parents=True, exist_ok=True)
     (site / "_polyrl_base.pth").write_text(f"{site_packages(base)}\n")
     pip = [str(base / "bin" / "python"), "-m", "pip", "--python", str(python)]
-    run([*pip, "install", "-q", "--no-compile", "--find-links", str(dist), *CONSTRAINTS, str(wheel),
+    run([*pip, "install", "-q", "--no-compile", "--find-links", str(dist), *CONSTRAINTS, f"{wheel}{EXTRAS.get(package, '')}",
          "polyrl[testing]"])
     run([*pip, "check"])
     installed = [line.split("==")[0] for line in run([*pip, "list", "--format=freeze"]).stdout.splitlines() if line]

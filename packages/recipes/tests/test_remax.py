@@ -18,6 +18,9 @@ from polyrl.trainer.commands import train
 sys.path.insert(0, str(Path(__file__).parent))
 from recipes_testkit import train_rows  # noqa: E402
 
+#: also run on polyrl-recipes installed alone from its wheel (make test-packages)
+pytestmark = pytest.mark.smoke
+
 RECORDING_REWARD = '''
 import json
 LOG = {log!r}

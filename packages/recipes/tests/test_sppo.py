@@ -13,6 +13,9 @@ from polyrl_recipes.sppo import compute_policy_loss_sppo, compute_sppo_advantage
 from polyrl.protocols import LossScale
 from polyrl.testing import AdvantageEstimatorConformance, PolicyLossConformance
 
+#: also run on polyrl-recipes installed alone from its wheel (make test-packages)
+pytestmark = pytest.mark.smoke
+
 
 def _scores_batch():
     scores = [1.0, 0.0, 0.0, 1.0, 0.5, 0.2, 0.9, 0.2, 3.0]  # groups of 4, 4 and a singleton
