@@ -1,7 +1,29 @@
-"""GRPO driven only by a reward model trained in the test lifts held-out accuracy; the same reward model trained
-on shuffled labels does not.
+"""GRPO driven only by a reward model trained in the test lifts held-out accuracy; the same model trained on
+shuffled labels does not. Both kinds: a sequence classifier, and a generative judge read by the ``score`` parser.
 
-CURVES
+The task: the quickstart's arithmetic prompts (every single-digit sum ``a+b=``, 80 to train on, 20 held out) with
+the recipes' learning tests' rule, answer in digits (the fraction of digits among the first 6 characters; it
+labels the reward models' training data and measures ``acc``, weighted 0 in ``reward.combine``). The policy is
+the random-init tiny model (held-out 0.04-0.06). The reward models are trained here from random init on 1,360
+answers (8 per train prompt sampled from the policy, 3 numbers, an empty answer, a one-character one, 4 strings
+of random byte tokens), each labelled by the rule: the classifier with BCE on its score (80 steps), the judge to
+write ``Score: 1`` (a digit among the first 6 characters) or ``Score: 0`` (80 steps). GRPO: 30 steps of 4 prompts
+x 4 samples, lr 1e-2, advantages not divided by the group's std (a reward model's continuous scores among
+equally wrong answers are noise the std would blow up); held-out accuracy, 4 samples per prompt at temperature 1,
+at steps 0, 10, 20, 30.
+
+Measured (2 CPU cores, 2026-11, ``trainer.seed`` 1 / 2 / 3):
+
+- classifier (ranks 0.98 of differently labelled answer pairs right; shuffled labels: 0.59):
+  0.06 0.25 0.98 1.00 / 0.04 0.26 0.98 1.00 / 0.05 0.11 0.74 1.00;
+  shuffled labels: 0.06 0.05 0.04 0.00 / 0.04 0.03 0.00 0.00 / 0.05 0.03 0.01 0.00;
+- judge (its verdicts parse to the label on 0.98 of the answers; shuffled verdicts: 0.66, it learnt to always
+  write ``Score: 0``, so the policy does not move): 0.06 0.36 0.80 0.86 / 0.04 0.31 0.89 0.96 / 0.05 0.20 0.65 0.79;
+  shuffled verdicts: 0.06 flat / 0.04 flat / 0.05 flat.
+
+Before the empty, one-character and random-byte answers were in the classifier's training data, GRPO found its
+blind spots (an immediate EOS; 6 bytes that decode to no text) and held-out accuracy went to 0. Exact sums were tried first and are not what this shows: see
+docs/reward_models.md, "What the tests show". The test runs seed 1 of each.
 """
 
 from __future__ import annotations
@@ -23,6 +45,10 @@ DIGITS = (
     "    return {'score': frac, 'acc': frac}\n"
 )
 RM_STEPS = 80
+#: The judge's prompt (one user message through the judge's chat template); the judge answers ``Score: 1`` when
+#: the answer holds a digit among its first 6 characters, else ``Score: 0``.
+JUDGE_TEMPLATE = "Q {prompt} A {response}"
+JUDGE_STEPS = 80
 GRPO_STEPS = 30
 
 
@@ -39,6 +65,11 @@ def _addition_rows() -> tuple[list[dict], list[dict]]:
              "reward_model": {"style": "rule", "ground_truth": str(a + b)},
              "extra_info": {"index": i, "a": a, "b": b, "op": "+"}} for i, (a, b) in enumerate(pairs)]
     return rows[:80], rows[80:]
+
+
+#: The overrides that make the reward model a generative judge.
+JUDGE = ("reward_model.kind=generative", f"reward_model.judge.template='{JUDGE_TEMPLATE}'",
+         "reward_model.judge.parser=score", "reward_model.rollout.response_length=10")
 
 
 def _rm_examples(policy_dir: Path, rows: list[dict], samples: int = 8) -> list[tuple[list[int], float]]:
@@ -133,7 +164,8 @@ def _rm_ranking(rm_dir: Path, examples: list[tuple[list[int], float]], per_promp
     return good / max(1, total)
 
 
-def _grpo(manifest: Path, policy: Path, rm: Path, files: dict[str, Path], run: Path, seed: int) -> list[float]:
+def _grpo(manifest: Path, policy: Path, rm: Path, files: dict[str, Path], run: Path, seed: int,
+          extra: tuple[str, ...] = ()) -> list[float]:
     """GRPO scored by the reward model alone (the rule only measures ``acc``); held-out accuracy (4 samples per
     prompt at temperature 1) before training and every 10 steps."""
     train(manifest, [], [
@@ -146,7 +178,7 @@ def _grpo(manifest: Path, policy: Path, rm: Path, files: dict[str, Path], run: P
         "rollout.n=4", "rollout.val_temperature=1.0", "rollout.val_n=4", "algorithm.norm_adv_by_std_in_grpo=false",
         f"trainer.total_steps={GRPO_STEPS}", "trainer.test_freq=10", "trainer.val_before_train=true",
         "trainer.executor=local", "trainer.save_freq=0", "trainer.progress_bar=false", "trainer.logger=[jsonl]",
-        f"trainer.run_dir={run}", f"trainer.seed={seed}"])
+        f"trainer.run_dir={run}", f"trainer.seed={seed}", *extra])
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "critic/score/mean" in r]
     assert [r["step"] for r in steps] == list(range(1, GRPO_STEPS + 1))
@@ -185,4 +217,90 @@ def test_grpo_on_a_trained_reward_model_lifts_held_out_accuracy_and_a_shuffled_o
     assert len(real) == len(control) == GRPO_STEPS // 10 + 1
     assert real[0] == control[0] < 0.2, (real, control)  # the same start: a random-init policy
     assert real[-1] >= 0.6 and real[-1] >= real[0] + 0.5, (real, control)
+    assert control[-1] <= control[0] + 0.1, (real, control)
+
+
+def _judge_examples(policy_dir: Path, examples: list[tuple[list[int], float]], rows: list[dict],
+                    per_prompt: int) -> list[tuple[list[int], list[int], int]]:
+    """The reward model's examples as the judge sees them: (judge prompt ids, verdict ids, label), the prompt
+    filled in from the row's question and the answer's text as the reward-model role decodes it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(policy_dir)
+    out = []
+    for k, (ids, _) in enumerate(examples):
+        row = rows[k // per_prompt]
+        prompt_len = len(tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"])
+        answer = tok.decode(ids[prompt_len:], skip_special_tokens=True)
+        label = int(_digits(answer) > 0)
+        message = JUDGE_TEMPLATE.format(prompt=row["prompt"][-1]["content"], response=answer)
+        prompt = list(tok.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True)["input_ids"])
+        out.append((prompt, tok(f"Score: {label}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id], label))
+    return out
+
+
+def _train_judge(judge_dir: Path, examples: list[tuple[list[int], list[int], int]], steps: int, *,
+                 shuffle_labels: bool) -> Path:
+    """Fine-tune the causal LM at ``judge_dir`` in place to write each example's verdict (loss on the verdict and
+    EOS, batches of 128, AdamW); ``shuffle_labels``: the verdicts permuted across the examples first."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    verdicts = [v for _, v, _ in examples]
+    if shuffle_labels:
+        verdicts = [verdicts[i] for i in torch.randperm(len(verdicts)).tolist()]
+    model = AutoModelForCausalLM.from_pretrained(judge_dir)
+    seqs = [p + v for (p, _, _), v in zip(examples, verdicts)]
+    ids, attention = _padded(seqs, model.config.pad_token_id)
+    labels = torch.full_like(ids, -100)
+    for i, ((p, _, _), v) in enumerate(zip(examples, verdicts)):
+        labels[i, len(p): len(p) + len(v)] = torch.tensor(v)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    for _ in range(steps):
+        idx = torch.randperm(len(seqs))[:128]
+        loss = model(input_ids=ids[idx], attention_mask=attention[idx], labels=labels[idx]).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(judge_dir)
+    return judge_dir
+
+
+def _judge_accuracy(judge_dir: Path, examples: list[tuple[list[int], list[int], int]]) -> float:
+    """The fraction of examples whose greedy verdict the ``score`` parser reads as the example's label."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from polyrl.reward_models.parsers import parse_score_line
+
+    tok = AutoTokenizer.from_pretrained(judge_dir)
+    model = AutoModelForCausalLM.from_pretrained(judge_dir).eval()
+    width = max(len(p) for p, _, _ in examples)
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p, _, _ in examples])
+    attention = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p, _, _ in examples])[:, None]).long()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=attention, do_sample=False, max_new_tokens=10,
+                             pad_token_id=tok.pad_token_id)
+    verdicts = [tok.decode(o[width:], skip_special_tokens=True) for o in out]
+    return sum(parse_score_line(v) == label for v, (_, _, label) in zip(verdicts, examples)) / len(examples)
+
+
+def test_grpo_on_a_judge_fine_tuned_to_write_its_score_lifts_held_out_accuracy_and_a_shuffled_one_does_not(
+        task, manifest_file, tmp_path):
+    from polyrl.models.tiny import make_tiny_model
+
+    root = tmp_path / "judges"
+    examples = _judge_examples(task["policy"], task["examples"], _addition_rows()[0], task["per_prompt"])
+    judge = _train_judge(make_tiny_model(root / "judge", seed=4), examples, JUDGE_STEPS, shuffle_labels=False)
+    shuffled = _train_judge(make_tiny_model(root / "shuffled", seed=4), examples, JUDGE_STEPS, shuffle_labels=True)
+    accuracy = _judge_accuracy(judge, examples)
+    assert accuracy >= 0.9, accuracy  # its verdicts parse to the right score (measured: 0.98; shuffled: 0.66)
+    real = _grpo(manifest_file, task["policy"], judge, task["files"], tmp_path / "real", seed=1, extra=JUDGE)
+    control = _grpo(manifest_file, task["policy"], shuffled, task["files"], tmp_path / "control", seed=1,
+                    extra=JUDGE)
+    assert real[0] == control[0] < 0.2, (real, control)
+    assert real[-1] >= 0.5 and real[-1] >= real[0] + 0.4, (real, control)
     assert control[-1] <= control[0] + 0.1, (real, control)
