@@ -41,7 +41,7 @@ NOT_WANTED := torchvision torchaudio torchcodec
 FREEZE = python -m pip freeze --all --exclude-editable | grep -v -E '^(polyrl|polyrl-[a-z-]+)==' \
 	| sed -E 's/^torch==([0-9.]+)\+[a-z0-9]+$$/torch==\1/'
 
-.PHONY: help install install-vllm quickstart quickstart-vllm quickstart-agent quickstart-diffusion test test-core test-engine-fsdp \
+.PHONY: help install install-vllm quickstart quickstart-vllm quickstart-agent quickstart-vlm quickstart-diffusion test test-core test-engine-fsdp \
         test-engine-megatron test-diffusion test-recipes test-example \
         test-hw-ascend test-hw-rocm \
         test-integration test-rollout-vllm test-vllm-integration test-rollout-sglang lint bench clean \
@@ -85,6 +85,10 @@ quickstart-vllm: install-vllm
 # multi-turn GRPO: a tiny model learns to call the calculator tool (docs/agents.md)
 quickstart-agent: install
 	$(BIN)/python examples/quickstart-agent/quickstart_agent.py
+
+# vision-language GRPO: a tiny Qwen2-VL learns to name the colour of a shape drawn with PIL (docs/vlm.md)
+quickstart-vlm: install
+	$(BIN)/python examples/quickstart-vlm/quickstart_vlm.py
 
 # Flow-GRPO on a tiny flow-matching image model pre-trained in code (polyrl-diffusion; about a minute on CPU)
 quickstart-diffusion: install

@@ -72,7 +72,7 @@ def test_grpo_with_sequence_parallelism_learns(arithmetic_files, tiny_model, man
 @pytest.mark.parametrize(("extra", "message"), [
     (["actor.fsdp.ulysses_sequence_parallel_size=3"],
      r"actor\.fsdp\.ulysses_sequence_parallel_size=3 must divide the 2 ranks"),
-    (["ref.fsdp.ulysses_sequence_parallel_size=4", "trainer.n_workers=4"],
+    (["ref.fsdp.ulysses_sequence_parallel_size=4", "trainer.n_workers=4", "trainer.ray_num_cpus=4"],
      r"ref\.fsdp\.ulysses_sequence_parallel_size=4 must divide the model's 2 attention heads"),
 ])
 def test_a_bad_layout_stops_the_run_before_any_worker(arithmetic_files, tiny_model, manifest_file, reward, tmp_path,

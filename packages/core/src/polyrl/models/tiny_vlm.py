@@ -137,7 +137,15 @@ def make_tiny_vlm(path: str | Path, *, arch: str = "qwen2_vl", size: str = "tiny
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(path, safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a "Writing model shards" bar for a model of a few hundred KB is noise
+    try:
+        model.save_pretrained(path, safe_serialization=True)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(path)
     processor = build_image_processor(min_pixels=min_pixels, max_pixels=max_pixels)
     processor.save_pretrained(path)
