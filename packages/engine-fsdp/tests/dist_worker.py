@@ -4,9 +4,40 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 
+
+def run_ranks(script: str, world: int, args: list[str], result: Path, hang_hint: str = "") -> dict:
+    """Run ``script RANK WORLD PORT *args`` in ``world`` processes of a gloo group (this folder on their path) and
+    return what they saved at ``result``; a port taken before rank 0 bound it is retried with another. Raises with
+    every failed rank's stderr (``hang_hint`` is added to a rank that timed out)."""
+    import subprocess
+
+    from polyrl.distributed import free_port
+
+    here = Path(__file__).parent
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(here), os.environ.get("PYTHONPATH", "")) if p))
+    for _attempt in range(3):  # the free port can be taken by another process before rank 0 binds it
+        port = str(free_port())
+        procs = [subprocess.Popen([sys.executable, str(here / script), str(r), str(world), port, *args], env=env,
+                                  stderr=subprocess.PIPE, text=True)
+                 for r in range(world)]
+        errs = []
+        for p in procs:
+            try:
+                errs.append(p.communicate(timeout=300)[1])
+            except subprocess.TimeoutExpired:
+                p.kill()
+                errs.append(p.communicate()[1] + f"\n(timed out{hang_hint})")
+        if all(p.returncode == 0 for p in procs):
+            return torch.load(result)
+        if not any("address already in use" in e.lower() for e in errs):
+            break
+    raise AssertionError("\n".join(f"rank {r} exited {p.returncode}:\n{e[-3000:]}"
+                                    for r, (p, e) in enumerate(zip(procs, errs)) if p.returncode))
 
 def batch(seed: int = 0, rows: int = 8, group: int = 1):
     """``rows`` random samples; consecutive runs of ``group`` rows share a prompt (GRPO's ``n`` samples)."""

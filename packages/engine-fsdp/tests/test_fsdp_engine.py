@@ -15,7 +15,7 @@ from polyrl.errors import CheckpointError, ConfigError
 from polyrl.testing import EngineConformance
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dist_worker import batch, loss_fn, make_engine  # noqa: E402
+from dist_worker import batch, loss_fn, make_engine, run_ranks  # noqa: E402
 
 HERE = Path(__file__).parent
 
@@ -42,26 +42,7 @@ def _hf_log_probs(model, b, row: int) -> torch.Tensor:
 
 
 def _run_group(world: int, model_dir: Path, out: Path, scenario: str = "plain") -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p))
-    for _attempt in range(3):  # the free port can be taken by another process before rank 0 binds it
-        port = str(free_port())
-        procs = [subprocess.Popen([sys.executable, str(HERE / "dist_worker.py"), str(r), str(world), port,
-                                   str(model_dir), str(out), scenario], env=env, stderr=subprocess.PIPE, text=True)
-                 for r in range(world)]
-        errs = []
-        for p in procs:
-            try:
-                errs.append(p.communicate(timeout=300)[1])
-            except subprocess.TimeoutExpired:
-                p.kill()
-                errs.append(p.communicate()[1] + "\n(timed out)")
-        if all(p.returncode == 0 for p in procs):
-            return torch.load(out / f"result_{world}_{scenario}.pt")
-        if not any("address already in use" in e.lower() for e in errs):
-            break
-    raise AssertionError("\n".join(f"rank {r} exited {p.returncode}:\n{e[-3000:]}"
-                                    for r, (p, e) in enumerate(zip(procs, errs)) if p.returncode))
+    return run_ranks("dist_worker.py", world, [str(model_dir), str(out), scenario], out / f"result_{world}_{scenario}.pt")
 
 
 def test_two_processes_match_one(model_dir, tmp_path):

@@ -3,19 +3,16 @@ chunked log-probs, and activation offload."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from polyrl.distributed import free_port
 from polyrl.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dist_worker import batch, loss_fn, make_engine  # noqa: E402
+from dist_worker import batch, loss_fn, make_engine, run_ranks  # noqa: E402
 
 HERE = Path(__file__).parent
 
@@ -37,27 +34,11 @@ def mini_dir(tmp_path_factory):
 
 
 def _spawn(world: int, sp: int, model_dir: Path, out: Path, scenarios: str = "", **env_vars: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", **env_vars,
-               PYTHONPATH=os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p))
-    for _attempt in range(3):  # the free port can be taken by another process before rank 0 binds it
-        port = str(free_port())
-        procs = [subprocess.Popen([sys.executable, str(HERE / "sp_worker.py"), str(r), str(world), port, str(model_dir),
-                                   str(out), str(sp)] + ([scenarios] if scenarios else []), env=env,
-                                  stderr=subprocess.PIPE, text=True)
-                 for r in range(world)]
-        errs = []
-        for p in procs:
-            try:
-                errs.append(p.communicate(timeout=300)[1])
-            except subprocess.TimeoutExpired:
-                p.kill()
-                errs.append(p.communicate()[1] + "\n(timed out)")
-        if all(p.returncode == 0 for p in procs):
-            return torch.load(out / f"sp_{world}_{sp}.pt")
-        if not any("address already in use" in e.lower() for e in errs):
-            break
-    raise AssertionError("\n".join(f"rank {r} exited {p.returncode}:\n{e[-3000:]}"
-                                    for r, (p, e) in enumerate(zip(procs, errs)) if p.returncode))
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env_vars.items():
+            mp.setenv(key, value)
+        return run_ranks("sp_worker.py", world, [str(model_dir), str(out), str(sp)] + ([scenarios] if scenarios else []),
+                         out / f"sp_{world}_{sp}.pt")
 
 
 def _assert_same_training(ref: dict, other: dict) -> None:

@@ -4,19 +4,16 @@ real gloo process groups: log-probs equal the hf rollout's on image rows in ever
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from polyrl.distributed import free_port
 from polyrl.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dist_worker import loss_fn, make_engine  # noqa: E402
+from dist_worker import loss_fn, make_engine, run_ranks  # noqa: E402
 from vlm_batches import IMAGES_THEN_TEXT, MIXED, image_batch  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -78,26 +75,8 @@ def test_images_change_the_log_probs(vlm_dirs, generated):
 
 
 def _run_two(world: int, model_dir: Path, out: Path) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p))
-    for _attempt in range(3):  # the free port can be taken before rank 0 binds it
-        port = str(free_port())
-        procs = [subprocess.Popen([sys.executable, str(HERE / "vlm_batches.py"), str(r), str(world), port,
-                                   str(model_dir), str(out)], env=env, stderr=subprocess.PIPE, text=True)
-                 for r in range(world)]
-        errs = []
-        for p in procs:
-            try:
-                errs.append(p.communicate(timeout=300)[1])
-            except subprocess.TimeoutExpired:
-                p.kill()
-                errs.append(p.communicate()[1] + "\n(timed out: a rank without images left FSDP's gathers out of step?)")
-        if all(p.returncode == 0 for p in procs):
-            return torch.load(out / f"vlm_result_{world}.pt")
-        if not any("address already in use" in e.lower() for e in errs):
-            break
-    raise AssertionError("\n".join(f"rank {r} exited {p.returncode}:\n{e[-3000:]}"
-                                    for r, (p, e) in enumerate(zip(procs, errs)) if p.returncode))
+    return run_ranks("vlm_batches.py", world, [str(model_dir), str(out)], out / f"vlm_result_{world}.pt",
+                     hang_hint=": a rank without images left FSDP's gathers out of step?")
 
 
 def test_two_sharded_ranks_one_without_images_train_like_one(vlm_dirs, tmp_path):
