@@ -13,7 +13,10 @@ core and 1/W of the batch). Only these equal-core ratios are reported, per phase
 rest of the step: log-probs, loss, backward, optimizer, weight sync), with each phase's distance from this
 machine's limit: the update against measured matmul FLOP/s (6 x parameters x tokens), decoding against
 measured memory bandwidth and skinny-matmul FLOP/s (every decode step reads the weights once and does
-2 x parameters x batch FLOPs). See docs/benchmarks.md for the method.
+2 x parameters x batch FLOPs). Per side it then prints decoding's fraction of its roofline, the update's
+fraction of the matmul limit (polyrl: the ``update_actor`` phase; TRL: its step outside ``generate``) and
+weight sync's share of a step; the final JSON line has them under each row's ``fractions``
+(``decode_of_roofline``, ``update_of_matmul``, ``weight_sync_of_step``). See docs/benchmarks.md for the method.
 
 TRL is the baseline, not a polyrl dependency: install it beside the venv without touching it, e.g.
 ``pip install --no-deps --target /tmp/trl trl`` and ``PYTHONPATH=/tmp/trl``.
@@ -211,6 +214,19 @@ def _split(result: dict) -> dict[str, float]:
     return {"gen": gen, "rest": step - gen}
 
 
+def fractions(result: dict, split: dict[str, float], floor: dict[str, float], update: dict[str, float]) -> dict[str, float]:
+    """One side's distance from the limits: decoding's fraction of its roofline (the ``gen`` floor over the
+    generation seconds), the update's fraction of the matmul limit (6 x parameters x tokens at wide-matmul FLOP/s
+    over the update's seconds: polyrl's ``update_actor`` phase, TRL's step outside ``generate``) and weight sync's
+    share of a step (0 for TRL, which trains the model it samples from)."""
+    phases = result["phases"]
+    step = result["seconds"] / result["steps"]
+    update_s = phases.get("update_actor", split["rest"])
+    return {"decode_of_roofline": floor["gen"] / max(split["gen"], 1e-9),
+            "update_of_matmul": update["update"] / max(update_s, 1e-9),
+            "weight_sync_of_step": phases.get("weight_sync", 0.0) / max(step, 1e-9)}
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--trl-child":
         model_dir, data, warmup, steps, out, result = json.loads(sys.argv[2])
@@ -255,9 +271,12 @@ def main() -> None:
                 floor = phase_floors(params, prompt_tokens, completion, cores, limits)
                 t_rate, p_rate = trl["tokens"] / trl["seconds"], ours["tokens"] / ours["seconds"]
                 tp, pp = _split(trl), _split(ours)
+                # the update alone: 6 x params x tokens (the ``rest`` floor; the old-log-prob pass is not in it)
+                update_floor = {"update": floor["rest"]}
+                frac = {"trl": fractions(trl, tp, floor, update_floor), "polyrl": fractions(ours, pp, floor, update_floor)}
                 row = {"workload": workload, "size": size, "params": params, "cores": cores, "trl_tok_s": t_rate,
                        "polyrl_tok_s": p_rate, "ratio": p_rate / t_rate, "trl_s": tp, "polyrl_s": pp, "floor_s": floor,
-                       "polyrl_phases": ours["phases"]}
+                       "polyrl_phases": ours["phases"], "fractions": frac}
                 report.append(row)
                 print(f"{workload:5} {size:5} {params / 1e6:5.1f}M {cores} core(s): TRL {t_rate:8.1f} tok/s, polyrl "
                       f"{p_rate:8.1f} tok/s, ratio {p_rate / t_rate:.2f}x", flush=True)
@@ -266,6 +285,11 @@ def main() -> None:
                           f"{tp[phase] / max(pp[phase], 1e-9):.2f}x); machine floor {floor[phase]:.3f} -> TRL at "
                           f"{floor[phase] / max(tp[phase], 1e-9):.0%}, polyrl at {floor[phase] / max(pp[phase], 1e-9):.0%}"
                           " of the limit", flush=True)
+                for side in ("trl", "polyrl"):
+                    f = frac[side]
+                    print(f"    {side:6} decoding at {f['decode_of_roofline']:.0%} of its roofline, update at "
+                          f"{f['update_of_matmul']:.0%} of the matmul limit, weight sync {f['weight_sync_of_step']:.1%} "
+                          "of a step", flush=True)
     print(json.dumps({"limits": limits, "rows": report}), flush=True)
 
 

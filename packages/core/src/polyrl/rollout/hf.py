@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -18,7 +20,10 @@ import torch
 
 from polyrl.models.kv_cache import cache_kwargs, new_cache
 from polyrl.protocols import GenerationRequest, GenerationResult, RolloutCapabilities, SamplingParams
+from polyrl.rollout.decode import StaticDecoder, supports
 from polyrl.rollout.limits import check_model_length
+
+logger = logging.getLogger("polyrl")
 
 
 class HFRollout:
@@ -48,6 +53,22 @@ class HFRollout:
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         #: Prefill each distinct prompt of a batch once (False: one prefill row per sample, for comparison).
         self.share_prefill = True
+        #: polyrl's own decode loop (:mod:`polyrl.rollout.decode`) where the model is one it runs, else ``None``
+        #: (transformers' forward step by step); set it to ``None`` to compare.
+        self.decoder: StaticDecoder | None = None
+        choice = os.environ.get("POLYRL_HF_DECODE", "static")
+        if choice not in ("static", "transformers"):
+            raise ValueError(f"POLYRL_HF_DECODE={choice!r}: use 'static' (polyrl's decode loop, the default) or "
+                             "'transformers' (transformers' forward step by step)")
+        if self.vision is None and choice == "static":
+            reason = supports(self.model)
+            if reason is None:
+                self.decoder = StaticDecoder(self.model)
+            else:
+                logger.debug("hf rollout: transformers' forward decodes %s (%s)", type(self.model).__name__, reason)
+        #: Finished rows leave the batch (a copy of the KV cache) once fewer than this fraction of its rows
+        #: are still generating; until then they ride along, masked (1.0: drop at every finish, 0: never).
+        self.compact_below = 0.75
 
     # ------------------------------------------------------------------ generation
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
@@ -69,7 +90,8 @@ class HFRollout:
             while end < len(expanded) and end - start < self.max_batch_size and expanded[end][0].sampling_params == params \
                     and _has_images(expanded[end][0]) == images:
                 end += 1
-            run = self._generate_batch_multimodal if images else self._generate_batch
+            run = self._generate_batch_multimodal if images else \
+                self._generate_batch_static if self.decoder is not None else self._generate_batch
             results += run(expanded[start:end], params, generator)
             start = end
         return results
@@ -142,6 +164,80 @@ class HFRollout:
                 sample_index=k,
             ))
         return results
+
+    @torch.inference_mode()
+    def _generate_batch_static(self, items: list[tuple[GenerationRequest, int]], params: SamplingParams,
+                               generator: torch.Generator) -> list[GenerationResult]:
+        """:meth:`_generate_batch` through :class:`~polyrl.rollout.decode.StaticDecoder`: one prefill per
+        distinct prompt, then one token per live row per step over a preallocated KV cache."""
+        assert self.decoder is not None
+        prompts = [list(req.prompt_ids) for req, _ in items]
+        first: dict[tuple[int, ...], int] = {}
+        owner = [first.setdefault(tuple(p), len(first)) for p in prompts]
+        unique = [list(p) for p in first] if self.share_prefill else prompts
+        expand = torch.tensor(owner, device=self.device) if self.share_prefill and len(unique) < len(prompts) else None
+        width = max(len(p) for p in unique)
+        ids = torch.full((len(unique), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(unique):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        stop_t = torch.tensor(sorted(stop), device=self.device) if stop else None
+        b, steps = len(prompts), params.max_new_tokens
+        out_tokens = torch.full((b, steps), self.pad_id, dtype=torch.long, device=self.device)
+        out_logp = torch.zeros((b, steps), dtype=torch.float32, device=self.device)
+        lengths = torch.zeros(b, dtype=torch.long, device=self.device)
+        stopped = torch.zeros(b, dtype=torch.bool, device=self.device)
+        decoder = self.decoder
+        try:
+            logits, pos = decoder.start(ids, mask, expand, steps)
+            rows = torch.arange(b, device=self.device)  # the batch index of each cache row
+            alive = torch.ones(b, dtype=torch.bool, device=self.device)
+            n_alive = b
+            for t in range(steps):
+                token, logp = _sample(logits, params, generator)
+                if n_alive == rows.numel():  # every row generating: no masking
+                    out_tokens[rows, t] = token
+                    out_logp[rows, t] = logp
+                    lengths[rows] += 1
+                else:
+                    live = rows[alive]
+                    out_tokens[live, t] = token[alive]
+                    out_logp[live, t] = logp[alive]
+                    lengths[live] += 1
+                if stop_t is None:
+                    hit_any = False
+                else:
+                    hit = torch.isin(token, stop_t) & alive
+                    hit_any = bool(hit.any())
+                if hit_any:
+                    stopped[rows[hit]] = True
+                    alive &= ~hit
+                    n_alive = int(alive.sum())
+                    if n_alive == 0:
+                        break
+                    if n_alive < self.compact_below * rows.numel():
+                        keep = alive.nonzero().squeeze(-1)
+                        decoder.keep(keep)
+                        rows, token, pos, alive = rows[keep], token[keep], pos[keep], alive[keep]
+                if t + 1 < steps:
+                    logits = decoder.step(token, pos)
+                    pos = pos + 1
+        finally:
+            decoder.release()
+        return self._results(items, prompts, out_tokens, out_logp, lengths, stopped, params)
+
+    def _results(self, items: list[tuple[GenerationRequest, int]], prompts: list[list[int]], out_tokens: torch.Tensor,
+                 out_logp: torch.Tensor, lengths: torch.Tensor, stopped: torch.Tensor,
+                 params: SamplingParams) -> list[GenerationResult]:
+        tokens, logps = out_tokens.tolist(), out_logp.tolist() if params.logprobs else None
+        n, stops = lengths.tolist(), stopped.tolist()
+        return [GenerationResult(
+            prompt_ids=prompts[i], response_ids=tokens[i][: n[i]], log_probs=logps[i][: n[i]] if logps else [],
+            finish_reason="stop" if stops[i] else "length", request_id=req.request_id, sample_index=k)
+            for i, (req, k) in enumerate(items)]
 
     @torch.inference_mode()
     def _generate_batch_multimodal(self, items: list[tuple[GenerationRequest, int]], params: SamplingParams,

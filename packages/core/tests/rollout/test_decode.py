@@ -1,0 +1,162 @@
+"""The hf rollout's own decode loop (polyrl.rollout.decode) against transformers on real tiny models: the
+same greedy tokens as ``generate()``, the log-probs of a plain forward pass, the same samples as the
+transformers-forward path, and a fallback for models it does not run."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from polyrl.config.roles import RolloutConfig
+from polyrl.protocols import GenerationRequest, SamplingParams
+from polyrl.rollout.decode import StaticDecoder, supports
+from polyrl.rollout.hf import HFRollout
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33, 34]]
+
+
+def _model_dir(tmp_path_factory, arch: str):
+    from polyrl.models.tiny import build_char_tokenizer, make_tiny_model
+
+    path = tmp_path_factory.mktemp(f"decode-{arch}") / "model"
+    if arch != "qwen3":
+        return make_tiny_model(path, arch=arch, size="tiny", seed=1)
+    # Qwen3: per-head q/k RMSNorms and no q/k/v biases (tiny_config does not build it: its model_type directly)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = build_char_tokenizer()
+    config = AutoConfig.for_model("qwen3", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
+                                  eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3"])
+def arch_rollout(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = _model_dir(tmp_path_factory, request.param)
+    tok = AutoTokenizer.from_pretrained(path)
+    rollout = HFRollout(RolloutConfig(max_batch_size=32), model_path=str(path), tokenizer=tok)
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    return request.param, rollout, reference, tok
+
+
+def _forward_logprobs(model, prompt, response, temperature=1.0):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1] / temperature
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+def test_the_static_decoder_runs_these_models(arch_rollout):
+    arch, rollout, _, _ = arch_rollout
+    assert rollout.decoder is not None, f"{arch}: {supports(rollout.model)}"
+
+
+def test_greedy_tokens_are_generates(arch_rollout):
+    """Left-padded prompts of four lengths, two samples each (one shared prefill per prompt): every response
+    is what transformers' ``generate()`` gives that prompt alone, up to and including its EOS."""
+    _, rollout, reference, tok = arch_rollout
+    params = SamplingParams(temperature=0, max_new_tokens=12, n=2)
+    results = rollout.generate([GenerationRequest(p, params) for p in PROMPTS])
+    assert len(results) == 8
+    for res in results:
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([res.prompt_ids]), attention_mask=torch.ones(1, len(res.prompt_ids),
+                                     dtype=torch.long), do_sample=False, max_new_tokens=12,
+                                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        expected = out[0, len(res.prompt_ids):].tolist()
+        if tok.eos_token_id in expected:
+            expected = expected[: expected.index(tok.eos_token_id) + 1]
+        assert res.response_ids == expected
+        assert torch.allclose(torch.tensor(res.log_probs), _forward_logprobs(reference, res.prompt_ids,
+                                                                             res.response_ids), atol=1e-4)
+
+
+def test_samples_and_logprobs_are_the_transformers_paths(arch_rollout):
+    """Sampling at temperature 0.8 with top-k and top-p, no stop: the same random stream gives the same tokens
+    as the transformers-forward path (same logits to float rounding), and both log-probs are a forward pass's."""
+    _, rollout, reference, _ = arch_rollout
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_new_tokens=10, n=3, seed=4, ignore_eos=True)
+    reqs = [GenerationRequest(p, params) for p in PROMPTS]
+    ours = rollout.generate(reqs)
+    decoder, rollout.decoder = rollout.decoder, None
+    try:
+        theirs = rollout.generate(reqs)
+    finally:
+        rollout.decoder = decoder
+    assert [r.response_ids for r in ours] == [r.response_ids for r in theirs]
+    assert len({tuple(r.response_ids) for r in ours[:3]}) > 1  # a prompt's samples differ
+    for a, b in zip(ours, theirs):
+        assert torch.allclose(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-4)
+        assert torch.allclose(torch.tensor(a.log_probs),
+                              _forward_logprobs(reference, a.prompt_ids, a.response_ids, 0.8), atol=1e-4)
+
+
+@pytest.mark.parametrize("compact_below", [0.0, 0.5, 1.0])
+def test_finished_rows_dropped_or_kept_give_the_same_greedy_responses(arch_rollout, compact_below):
+    """Stop tokens taken from the rows' own greedy responses at different steps, so rows finish at different
+    steps: whether finished rows leave the cache at once, at half, or never, every row's greedy response and
+    log-probs are those of a plain forward."""
+    _, rollout, reference, _ = arch_rollout
+    prompts = [[p, p + 1, p + 2] for p in range(5, 200, 11)]
+    free = rollout.generate([GenerationRequest(p, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))
+                             for p in prompts])
+    stop_ids = sorted({r.response_ids[i % 7 + 2] for i, r in enumerate(free[::3])})
+    params = SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=stop_ids, ignore_eos=True)
+    reqs = [GenerationRequest(p, params) for p in prompts]
+    saved = rollout.compact_below
+    rollout.compact_below = compact_below
+    try:
+        results = rollout.generate(reqs)
+    finally:
+        rollout.compact_below = saved
+    assert len({len(r.response_ids) for r in results}) > 2
+    for res in results:
+        ids = res.response_ids
+        if res.finish_reason == "stop":
+            assert ids[-1] in stop_ids and not set(ids[:-1]) & set(stop_ids)
+        else:
+            assert len(ids) == 10 and not set(ids) & set(stop_ids)
+        logits = reference(torch.tensor([res.prompt_ids + ids])).logits[0, len(res.prompt_ids) - 1 : -1]
+        assert ids == logits.argmax(-1).tolist()
+        assert torch.allclose(torch.tensor(res.log_probs),
+                              _forward_logprobs(reference, res.prompt_ids, ids), atol=1e-4)
+
+
+def test_weight_updates_reach_the_decoder(arch_rollout):
+    _, rollout, _, _ = arch_rollout
+    req = GenerationRequest([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+    before = rollout.generate([req])[0]
+    name = "model.norm.weight"
+    saved = rollout.model.get_parameter(name).detach().clone()
+    try:
+        rollout.update_weights([(name, saved * -3.0)])
+        after = rollout.generate([req])[0]
+    finally:
+        rollout.update_weights([(name, saved)])
+    assert after.log_probs != before.log_probs
+    assert rollout.generate([req])[0].response_ids == before.response_ids
+
+
+def test_a_mixture_of_experts_keeps_transformers_forward(tmp_path, tiny_tokenizer, caplog):
+    """Models the decoder does not run (here a mixture of experts) generate through transformers' forward,
+    and say so in a debug log."""
+    from polyrl.models.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", seed=0)
+    with caplog.at_level(logging.DEBUG, logger="polyrl"):
+        rollout = HFRollout(RolloutConfig(max_batch_size=4), model_path=str(path), tokenizer=tiny_tokenizer)
+    assert rollout.decoder is None
+    assert "transformers' forward decodes Qwen3MoeForCausalLM" in caplog.text and "'qwen3_moe'" in caplog.text
+    with pytest.raises(ValueError, match="qwen3_moe"):
+        StaticDecoder(rollout.model)
+    res = rollout.generate([GenerationRequest([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=4,
+                                                                        ignore_eos=True))])[0]
+    assert len(res.response_ids) == 4
