@@ -5,12 +5,15 @@ interface dispatch, mask building, cache bookkeeping, output dataclasses). :clas
 same arithmetic as a Llama/Qwen2/Qwen3/Mistral-style decoder, reading the model's own parameters (so weight
 updates land without a copy), with:
 
-- a KV cache allocated once per batch (``[rows, kv_heads, prompt + max_new_tokens, head_dim]`` per layer)
-  and written in place: every row of a left-padded batch writes its next key at the same column;
-- the prompt prefill run once per distinct prompt and its keys/values copied to each of that prompt's
-  samples (GRPO's group);
-- attention for one query token as two batched products over the kv heads (no repeat of the kv heads);
-- logits for the last position only.
+- the prompt prefill run once per distinct prompt (GRPO's group of samples shares it), and its keys and values
+  kept once per prompt: at every step the samples of one prompt attend to them in one product, so the
+  prompt's keys are read once per step, not once per sample (a shared-prefix "cascade" attention);
+- the generated tokens' keys and values in a cache allocated once per batch (``[rows, kv_heads,
+  max_new_tokens, head_dim]`` per layer) and written in place;
+- attention for one query token as batched products over the kv heads (no repeat of the kv heads), the
+  prompt's and the generated tokens' scores in one softmax;
+- the linear layers as ``x @ W.T`` with ``W.T`` kept contiguous (faster for skinny products on CPU);
+- a rotary cos/sin table per batch, looked up per step; logits for the last position only.
 
 :func:`supports` says whether a model is one it runs; anything else (mixtures of experts, sliding-window
 layers, vision-language models, other architectures) keeps transformers' forward in :mod:`polyrl.rollout.hf`.
@@ -140,9 +143,10 @@ class _Layer:
 class StaticDecoder:
     """Prefill and decode of a supported causal LM (:func:`supports`) over a preallocated KV cache.
 
-    Holds references to the model's parameters, so :meth:`HFRollout.update_weights` (an in-place copy) is
-    seen by the next call. Use :meth:`start` once per batch, then :meth:`step` per generated token and
-    :meth:`keep` to drop finished rows.
+    Reads the model's own parameters (the linear layers through transposed copies that follow every in-place
+    write, :class:`_Linear`), so :meth:`HFRollout.update_weights` is seen by the next batch. :meth:`start`
+    prefills a batch and returns its :class:`DecodeBatch`; then :meth:`DecodeBatch.step` per generated token and
+    :meth:`DecodeBatch.keep` to drop finished rows.
     """
 
     def __init__(self, model: Any) -> None:
@@ -167,12 +171,6 @@ class StaticDecoder:
         #: rope types whose cos/sin depend on the sequence length seen so far: computed per step, not tabled
         rope = getattr(self.rotary, "rope_type", "default")
         self._rope_table = rope not in ("dynamic", "longrope")
-        self._cos = self._sin = torch.empty(0)
-        # state of the batch being decoded
-        self.cache_k: list[torch.Tensor] = []
-        self.cache_v: list[torch.Tensor] = []
-        self.bias = torch.empty(0)  # [rows, 1, 1, columns]: 0 where a row may attend, -inf on its padding
-        self.length = 0  # columns of the cache filled
 
     @staticmethod
     def _layer(layer: Any) -> _Layer:
@@ -191,21 +189,22 @@ class StaticDecoder:
 
     # ------------------------------------------------------------------ prefill
     def start(self, ids: torch.Tensor, mask: torch.Tensor, expand: torch.Tensor | None,
-              max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+              max_new_tokens: int) -> tuple[DecodeBatch, torch.Tensor, torch.Tensor]:
         """Prefill left-padded prompts ``ids`` ``[U, W]`` (``mask`` 1 on tokens) and set up a cache for
         ``len(expand)`` rows (row ``i`` continues prompt ``expand[i]``; ``None``: one row per prompt) with room
-        for ``max_new_tokens``. Returns the rows' next-token logits ``[rows, vocab]`` (float32) and their next
-        positions ``[rows]``."""
+        for ``max_new_tokens``. Returns the batch's state (:class:`DecodeBatch`: its own, so concurrent calls do not
+        share one), the rows' next-token logits ``[rows, vocab]`` (float32) and their next positions ``[rows]``."""
         u, width = ids.shape
         dtype, device = self.embed.dtype, ids.device
+        state = DecodeBatch(self)
         for linear in self._linears:
             linear.refresh()
         position = (mask.cumsum(-1) - 1).clamp(min=0)
         x = F.embedding(ids, self.embed)
         if self._rope_table:  # cos/sin of every position this batch reaches, looked up per step
             span = torch.arange(width + max_new_tokens, device=device)[None]
-            self._cos, self._sin = (t[0] for t in self.rotary(x, span))
-            cos, sin = self._cos[position], self._sin[position]
+            state.cos, state.sin = (t[0] for t in self.rotary(x, span))
+            cos, sin = state.cos[position], state.sin[position]
         else:
             cos, sin = self.rotary(x, position)
         cos, sin = cos[:, None], sin[:, None]  # [U, 1, W, D]
@@ -214,10 +213,6 @@ class StaticDecoder:
         # a padding query attends to itself only (its output is never used; no all-masked softmax row)
         allowed = (causal[None] & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)[None]
         attn_mask = allowed[:, None]  # [U, 1, W, W]
-        rows = u if expand is None else int(expand.numel())
-        columns = width + max_new_tokens
-        self.cache_k = []
-        self.cache_v = []
         d, hq, hkv = self.head_dim, self.n_heads, self.n_kv
         for layer in self.layers:
             h = _rms_norm(x, layer.ln1, layer.eps1)
@@ -229,76 +224,35 @@ class StaticDecoder:
             if layer.k_norm is not None:
                 k = _rms_norm(k, *layer.k_norm)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            ck = torch.empty(rows, hkv, columns, d, dtype=dtype, device=device)
-            cv = torch.empty_like(ck)
-            ck[:, :, :width] = k if expand is None else k[expand]
-            cv[:, :, :width] = v if expand is None else v[expand]
-            self.cache_k.append(ck)
-            self.cache_v.append(cv)
+            state.prefix_k.append(k.contiguous())
+            state.prefix_v.append(v.contiguous())
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scaling,
                                                  enable_gqa=hq != hkv)
             out = out.transpose(1, 2).reshape(u, width, hq * d)
             x = x + layer.o(out)
             x = x + self._mlp(layer, _rms_norm(x, layer.ln2, layer.eps2))
-        last = x[:, -1]  # left padding: every prompt ends in the last column
-        logits = self._logits(last)
-        bias = torch.zeros(u, 1, 1, columns, dtype=dtype, device=device)
-        bias[:, 0, 0, :width].masked_fill_(~valid, float("-inf"))
+        logits = self._logits(x[:, -1])  # left padding: every prompt ends in the last column
+        state.prefix_bias = torch.zeros(u, 1, 1, width, dtype=dtype, device=device).masked_fill_(
+            ~valid[:, None, None, :], float("-inf"))
         next_pos = position[:, -1] + 1
+        # each row's slot: its prompt's block of ``group`` slots, in the order the rows come
+        owner = torch.arange(u, device=device) if expand is None else expand
+        counts = torch.bincount(owner, minlength=u)
+        state.group = int(counts.max())
+        seen: dict[int, int] = {}
+        rank = []
+        for o in owner.tolist():
+            rank.append(seen.get(o, 0))
+            seen[o] = rank[-1] + 1
+        state.slot = owner * state.group + torch.tensor(rank, dtype=torch.long, device=device)
+        state.dense = owner.numel() == u * state.group and bool((state.slot == torch.arange(
+            owner.numel(), device=device)).all())
+        rows = owner.numel()
+        state.suffix_k = [torch.empty(rows, hkv, max_new_tokens, d, dtype=dtype, device=device) for _ in self.layers]
+        state.suffix_v = [torch.empty_like(t) for t in state.suffix_k]
         if expand is not None:
-            logits, bias, next_pos = logits[expand], bias[expand], next_pos[expand]
-        self.bias = bias
-        self.length = width
-        return logits, next_pos
-
-    # ------------------------------------------------------------------ decode
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Append one token per row (``tokens`` ``[rows]`` at ``positions`` ``[rows]``) and return the next
-        logits ``[rows, vocab]`` (float32)."""
-        rows = tokens.shape[0]
-        d, hq, hkv = self.head_dim, self.n_heads, self.n_kv
-        col = self.length
-        if col >= self.cache_k[0].shape[2]:
-            raise RuntimeError("StaticDecoder: the KV cache is full (more steps than start()'s max_new_tokens)")
-        self.length = col + 1
-        x = F.embedding(tokens, self.embed)  # [rows, hidden]
-        if self._rope_table:
-            cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]  # [rows, 1, D]
-        else:
-            cos, sin = self.rotary(x, positions[:, None])
-        cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads: [rows, 1, 1, D]
-        bias = self.bias[..., : col + 1]  # [rows, 1, 1, L]
-        for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.ln1, layer.eps1)
-            q = layer.q(h).view(rows, hkv, hq // hkv, d)
-            k = layer.k(h).view(rows, hkv, 1, d)
-            v = layer.v(h).view(rows, hkv, 1, d)
-            if layer.q_norm is not None:
-                q = _rms_norm(q, *layer.q_norm)
-            if layer.k_norm is not None:
-                k = _rms_norm(k, *layer.k_norm)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            ck, cv = self.cache_k[i], self.cache_v[i]
-            ck[:, :, col : col + 1] = k
-            cv[:, :, col : col + 1] = v
-            # [rows, kv, group, D] x [rows, kv, D, L]: the group's query heads share their kv head's keys
-            scores = torch.matmul(q, ck[:, :, : col + 1].transpose(-1, -2)) * self.scaling + bias
-            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-            out = torch.matmul(probs, cv[:, :, : col + 1]).reshape(rows, hq * d)
-            x = x + layer.o(out)
-            x = x + self._mlp(layer, _rms_norm(x, layer.ln2, layer.eps2))
-        return self._logits(x)
-
-    def keep(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (indices into the current rows) in the cache, in that order."""
-        self.cache_k = [c.index_select(0, rows) for c in self.cache_k]
-        self.cache_v = [c.index_select(0, rows) for c in self.cache_v]
-        self.bias = self.bias.index_select(0, rows)
-
-    def release(self) -> None:
-        """Free the batch's cache."""
-        self.cache_k, self.cache_v, self.bias, self.length = [], [], torch.empty(0), 0
-        self._cos = self._sin = torch.empty(0)
+            logits, next_pos = logits[expand], next_pos[expand]
+        return state, logits, next_pos
 
     # ------------------------------------------------------------------ pieces
     @staticmethod
@@ -310,4 +264,96 @@ class StaticDecoder:
         return self.lm_head(h).float()
 
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "StaticDecoder", "supports"]
+class DecodeBatch:
+    """One batch being decoded by a :class:`StaticDecoder` (from :meth:`StaticDecoder.start`): the prompts' keys
+    and values once per distinct prompt (the prefix), the generated tokens' per row (the suffix, preallocated
+    for ``max_new_tokens``), and each row's slot in the ``[prompts x samples]`` layout, so a prompt's keys are
+    read once per step for all its samples."""
+
+    def __init__(self, decoder: StaticDecoder) -> None:
+        self.decoder = decoder
+        self.prefix_k: list[torch.Tensor] = []  # [U, kv, W, D] per layer
+        self.prefix_v: list[torch.Tensor] = []
+        self.prefix_bias = torch.empty(0)  # [U, 1, 1, W]: 0 on a prompt's tokens, -inf on its left padding
+        self.suffix_k: list[torch.Tensor] = []  # [rows, kv, max_new_tokens, D] per layer
+        self.suffix_v: list[torch.Tensor] = []
+        self.length = 0  # suffix columns filled
+        self.slot = torch.empty(0, dtype=torch.long)  # row -> prompt * group + its index among the prompt's rows
+        self.group = 1  # the most rows of one prompt
+        self.dense = True  # rows are exactly the slots, in order (no scatter / gather around the prefix products)
+        self.cos = self.sin = torch.empty(0)  # rotary table of the positions the batch reaches
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Append one token per row (``tokens`` ``[rows]`` at ``positions`` ``[rows]``) and return the next
+        logits ``[rows, vocab]`` (float32)."""
+        dec = self.decoder
+        rows = tokens.shape[0]
+        d, hq, hkv = dec.head_dim, dec.n_heads, dec.n_kv
+        col = self.length
+        if col >= self.suffix_k[0].shape[2]:
+            raise RuntimeError("StaticDecoder: the KV cache is full (more steps than start()'s max_new_tokens)")
+        self.length = col + 1
+        x = F.embedding(tokens, dec.embed)  # [rows, hidden]
+        if dec._rope_table:
+            cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [rows, 1, D]
+        else:
+            cos, sin = dec.rotary(x, positions[:, None])
+        cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads: [rows, 1, 1, D]
+        width = self.prefix_bias.shape[-1]
+        for i, layer in enumerate(dec.layers):
+            h = _rms_norm(x, layer.ln1, layer.eps1)
+            q = layer.q(h).view(rows, hkv, hq // hkv, d)
+            k = layer.k(h).view(rows, hkv, 1, d)
+            v = layer.v(h).view(rows, hkv, 1, d)
+            if layer.q_norm is not None:
+                q = _rms_norm(q, *layer.q_norm)
+            if layer.k_norm is not None:
+                k = _rms_norm(k, *layer.k_norm)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            sk, sv = self.suffix_k[i], self.suffix_v[i]
+            sk[:, :, col : col + 1] = k
+            sv[:, :, col : col + 1] = v
+            sk, sv = sk[:, :, : col + 1], sv[:, :, : col + 1]
+            # the prompt's keys are read once for all its rows: [U, kv, group x heads per kv, D] x [U, kv, D, W]
+            prefix_scores = self._from_slots(torch.matmul(self._to_slots(q), self.prefix_k[i].transpose(-1, -2))
+                                             + self.prefix_bias, width)
+            # the generated tokens' keys, per row: [rows, kv, heads per kv, D] x [rows, kv, D, t]
+            suffix_scores = torch.matmul(q, sk.transpose(-1, -2))
+            scores = torch.cat([prefix_scores * dec.scaling, suffix_scores * dec.scaling], dim=-1)
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            out = torch.matmul(self._to_slots(probs[..., :width]), self.prefix_v[i])
+            out = self._from_slots(out, d) + torch.matmul(probs[..., width:], sv)
+            x = x + layer.o(out.reshape(rows, hq * d))
+            x = x + dec._mlp(layer, _rms_norm(x, layer.ln2, layer.eps2))
+        return dec._logits(x)
+
+    def _to_slots(self, t: torch.Tensor) -> torch.Tensor:
+        """``[rows, kv, g, C]`` -> ``[U, kv, group * g, C]``: each prompt's rows side by side (empty slots zero)."""
+        _, kv, g, c = t.shape
+        u = self.prefix_bias.shape[0]
+        if not self.dense:
+            full = t.new_zeros(u * self.group, kv, g, c)
+            full[self.slot] = t
+            t = full
+        return t.view(u, self.group, kv, g, c).transpose(1, 2).reshape(u, kv, self.group * g, c)
+
+    def _from_slots(self, t: torch.Tensor, c: int) -> torch.Tensor:
+        """The inverse of :meth:`_to_slots`: ``[U, kv, group * g, C]`` -> ``[rows, kv, g, C]``."""
+        u, kv = t.shape[:2]
+        t = t.view(u, kv, self.group, -1, c).transpose(1, 2).reshape(u * self.group, kv, -1, c)
+        return t if self.dense else t[self.slot]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (indices into the current rows) in the cache, in that order."""
+        self.suffix_k = [c.index_select(0, rows) for c in self.suffix_k]
+        self.suffix_v = [c.index_select(0, rows) for c in self.suffix_v]
+        self.slot = self.slot[rows]
+        self.dense = False
+
+    def release(self) -> None:
+        """Free the batch's cache."""
+        self.prefix_k, self.prefix_v, self.suffix_k, self.suffix_v = [], [], [], []
+        self.prefix_bias = self.cos = self.sin = torch.empty(0)
+
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "DecodeBatch", "StaticDecoder", "supports"]

@@ -190,9 +190,8 @@ class HFRollout:
         out_logp = torch.zeros((b, steps), dtype=torch.float32, device=self.device)
         lengths = torch.zeros(b, dtype=torch.long, device=self.device)
         stopped = torch.zeros(b, dtype=torch.bool, device=self.device)
-        decoder = self.decoder
+        state, logits, pos = self.decoder.start(ids, mask, expand, steps)
         try:
-            logits, pos = decoder.start(ids, mask, expand, steps)
             rows = torch.arange(b, device=self.device)  # the batch index of each cache row
             alive = torch.ones(b, dtype=torch.bool, device=self.device)
             n_alive = b
@@ -220,13 +219,13 @@ class HFRollout:
                         break
                     if n_alive < self.compact_below * rows.numel():
                         keep = alive.nonzero().squeeze(-1)
-                        decoder.keep(keep)
+                        state.keep(keep)
                         rows, token, pos, alive = rows[keep], token[keep], pos[keep], alive[keep]
                 if t + 1 < steps:
-                    logits = decoder.step(token, pos)
+                    logits = state.step(token, pos)
                     pos = pos + 1
         finally:
-            decoder.release()
+            state.release()
         return self._results(items, prompts, out_tokens, out_logp, lengths, stopped, params)
 
     def _results(self, items: list[tuple[GenerationRequest, int]], prompts: list[list[int]], out_tokens: torch.Tensor,
