@@ -160,3 +160,28 @@ def test_a_mixture_of_experts_keeps_transformers_forward(tmp_path, tiny_tokenize
     res = rollout.generate([GenerationRequest([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=4,
                                                                         ignore_eos=True))])[0]
     assert len(res.response_ids) == 4
+
+
+@pytest.mark.parametrize("top_k, top_p", [(-1, 1.0), (3, 1.0), (-1, 0.7)])
+def test_sampling_follows_the_filtered_distribution(top_k, top_p):
+    """The sampler (one uniform number per row against the cumulative distribution) draws each token with its
+    probability after temperature, top-k and top-p, and never a filtered-out one; the log-prob it returns is
+    the unfiltered ``log_softmax(logits / T)``."""
+    from polyrl.rollout.hf import _sample
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
+    rows = 40000
+    token, logp = _sample(logits.repeat(rows, 1), params, torch.Generator().manual_seed(0))
+    scaled = logits / 0.8
+    probs = torch.softmax(scaled, -1)
+    keep = torch.ones(6, dtype=torch.bool)
+    if top_k > 0:
+        keep[top_k:] = False
+    if top_p < 1.0:
+        keep = (probs.cumsum(-1) - probs) <= top_p  # logits are sorted: the nucleus is a prefix
+    expected = torch.where(keep, probs, 0) / probs[keep].sum()
+    freq = torch.bincount(token, minlength=6).double() / rows
+    assert freq[~keep].sum() == 0
+    assert torch.allclose(freq, expected.double(), atol=4 * (0.25 / rows) ** 0.5)  # 4 standard deviations at most
+    assert torch.allclose(logp, torch.log_softmax(scaled, -1)[token])

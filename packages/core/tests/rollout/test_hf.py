@@ -187,6 +187,7 @@ def test_decoding_passes_the_cache_under_the_name_the_model_takes(tiny_model_dir
     old_style = HFRollout(RolloutConfig(max_batch_size=8), model_path=str(tiny_model_dir), tokenizer=tiny_tokenizer)
     new_style = HFRollout(RolloutConfig(max_batch_size=8), model_path=str(tiny_model_dir), tokenizer=tiny_tokenizer)
     new_style.model.__class__ = _forward_takes_cache(type(new_style.model))
+    old_style.decoder = new_style.decoder = None  # transformers' forward step by step (polyrl.rollout.decode calls none)
     assert cache_keyword(new_style.model) == "cache"
     a, b = old_style.generate(reqs), new_style.generate(reqs)
     assert [r.response_ids for r in a] == [r.response_ids for r in b]
