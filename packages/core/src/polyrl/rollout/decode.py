@@ -45,8 +45,9 @@ def supports(model: Any) -> str | None:
     if base is None or not all(hasattr(base, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb")) \
             or not hasattr(model, "lm_head"):
         return "the model does not have the embed_tokens / layers / norm / rotary_emb / lm_head layout"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {config.hidden_act!r} is not silu"
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        return f"hidden_act {act!r} is not silu"
     layer_types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types) or (
             model_type == "mistral" and getattr(config, "sliding_window", None)):
