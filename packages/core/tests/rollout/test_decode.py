@@ -164,9 +164,8 @@ def test_a_mixture_of_experts_keeps_transformers_forward(tmp_path, tiny_tokenize
 
 @pytest.mark.parametrize("top_k, top_p", [(-1, 1.0), (3, 1.0), (-1, 0.7)])
 def test_sampling_follows_the_filtered_distribution(top_k, top_p):
-    """The sampler (one uniform number per row against the cumulative distribution) draws each token with its
-    probability after temperature, top-k and top-p, and never a filtered-out one; the log-prob it returns is
-    the unfiltered ``log_softmax(logits / T)``."""
+    """The sampler draws each token with its probability after temperature, top-k and top-p, and never a
+    filtered-out one; the log-prob it returns is the unfiltered ``log_softmax(logits / T)``."""
     from polyrl.rollout.hf import _sample
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
