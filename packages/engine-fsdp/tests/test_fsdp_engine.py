@@ -85,6 +85,29 @@ def test_fsdp_size_one_replicates_and_matches_full_sharding(model_dir, tmp_path)
             assert torch.allclose(w, other["weights"][name], atol=1e-6), name
 
 
+@pytest.mark.parametrize("batching", ["grouped", "dynamic"])
+def test_overlapped_grad_reduce_equals_reduce_after_backward(model_dir, tmp_path, batching):
+    """Replicated (``fsdp_size=1``) on 2 gloo ranks: the gradients all-reduced bucket by bucket during the last
+    backward are bit-for-bit those all-reduced after it, over 3 steps of several micro-batches. Small buckets
+    (dozens); ``grouped``: the ranks' micro-batches take different forward paths (shared-prompt or plain), so
+    their gradients become ready in different orders; ``dynamic``: token-budget micro-batches, a different count
+    per rank, so one rank's last backward is a padding micro-batch."""
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+    after = _run_group(2, model_dir, tmp_path / "a", f"replicate-{batching}-buckets-grads-nooverlap")
+    during = _run_group(2, model_dir, tmp_path / "b", f"replicate-{batching}-buckets-grads")
+    assert after["results"]["overlapped"] == [0, 0, 0]
+    assert all(n > 1 for n in during["results"]["overlapped"])  # buckets did start inside backward
+    assert len(after["results"]["grads"]) == len(during["results"]["grads"]) == 3
+    for step_after, step_during in zip(after["results"]["grads"], during["results"]["grads"]):
+        assert len(step_after) == len(step_during)
+        for a, d in zip(step_after, step_during):
+            assert torch.equal(a, d)
+    assert after["results"]["grad_norm"] == during["results"]["grad_norm"]
+    for name, w in after["weights"].items():
+        assert torch.equal(w, during["weights"][name]), name
+
+
 @pytest.mark.parametrize("layout", ["sharded", "replicate"])
 def test_shared_prompt_forward_trains_like_the_full_forward(model_dir, tmp_path, layout):
     """Rows that share a prompt run it once (its KV cache copied to each row): the same losses, gradient norms

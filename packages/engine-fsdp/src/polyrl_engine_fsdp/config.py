@@ -27,6 +27,10 @@ class FSDPConfig:
     #: a divisor of the world size replicates that many-way sharded copies across the rest (HSDP);
     #: ``1`` keeps a full copy on every rank and only all-reduces gradients (DDP-like).
     fsdp_size: int = -1
+    #: With a whole model on each rank (``fsdp_size=1``): start each ~25 MB bucket's gradient all-reduce
+    #: during the last micro-batch's backward, as soon as its gradients are ready (DDP's overlap), instead of
+    #: all of them after backward. Same gradients either way.
+    overlap_grad_reduce: bool = True
     #: Run each distinct prompt of a micro-batch once and let its rows' responses attend to its KV cache
     #: (GRPO's ``n`` samples of a prompt): same log-probs and gradients, ``(n - 1) / n`` of the prompt
     #: tokens' compute saved. Off with ``use_remove_padding`` or gradient checkpointing.

@@ -42,6 +42,7 @@ from polyrl.models.paths import check_model_path
 from polyrl.protocols import INFERENCE_ROLES, ForwardProducts, LossScale
 from polyrl_engine_fsdp.activation_offload import offload_activations
 from polyrl_engine_fsdp.config import FSDPConfig, check_choice, torch_dtype
+from polyrl_engine_fsdp.grad_reduce import GradReducer
 from polyrl_engine_fsdp.multimodal import embed_with_images
 from polyrl_engine_fsdp.ulysses import SequenceParallel, check_sequence_parallel
 
@@ -225,6 +226,7 @@ class FSDPEngine:
         #: A vision-language model's ``vision_config`` (set by :meth:`load_model`; ``None``: text only).
         self.vision: Any = None
         self._vision_trained = False
+        self._reducer: GradReducer | None = None
         self._build_model()
         self.optimizer = self.scheduler = None
         if role not in INFERENCE_ROLES:  # ref, reward_model, teacher only infer
@@ -440,39 +442,14 @@ class FSDPEngine:
         return init_device_mesh(self.platform.device_type, (self._world // shard_ranks, shard_ranks),
                                 mesh_dim_names=("replicate", "shard"))
 
-    def _all_reduce_grads(self, bucket_bytes: int = 64 << 20) -> None:
-        """Replicated model: average every trainable gradient over the ranks (what FSDP's reduce does).
-
-        Gradients go in flat buckets of about ``bucket_bytes`` (in ``fsdp.reduce_dtype``), all launched
-        before the first is waited on. A parameter this rank gave no gradient contributes zeros, so every
-        rank reduces the same tensors.
-        """
-        if self._world == 1:
-            return
-        reduce_dtype = torch_dtype(self.fsdp.reduce_dtype, "")
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        buckets: list[list[torch.Tensor]] = [[]]
-        size = 0
-        for p in params:
-            if size >= bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += p.numel() * reduce_dtype.itemsize
-        pending = []
-        for bucket in buckets:
-            flat = torch.cat([p.grad.reshape(-1).to(reduce_dtype) for p in bucket])
-            pending.append((dist.all_reduce(flat, async_op=True), flat, bucket))
-        for work, flat, bucket in pending:
-            work.wait()
-            flat.div_(self._world)
-            offset = 0
-            for p in bucket:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
+    def _grad_reducer(self) -> GradReducer | None:
+        """The replicated layout's gradient averaging over the ranks (``None``: one rank, or FSDP reduces)."""
+        if not self.replicated or self._world == 1:
+            return None
+        if self._reducer is None:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            self._reducer = GradReducer(params, self._world, torch_dtype(self.fsdp.reduce_dtype, ""))
+        return self._reducer
 
     def _load_hf(self, path: str, hf_config: Any, dtype: torch.dtype, mcfg: Any) -> nn.Module:
         from transformers import (
@@ -733,18 +710,22 @@ class FSDPEngine:
         metrics: dict[str, float] = {}
         splits = self.split_micro_batches(batch, self.config.use_dynamic_bsz)
         real = max(1, sum(rows is not None for rows in splits))
-        for rows in splits:
+        reducer = self._grad_reducer()
+        for i, rows in enumerate(splits):
             mb = self.padding_micro_batch(batch) if rows is None else batch[rows]
             with offload_activations(self.device) if self.fsdp.activation_offload else contextlib.nullcontext():
                 out, trimmed = self.forward_micro_batch(mb, temperature, compute_entropy=self.model_type != "value",
                                                         **kw)
             loss, m = loss_fn(out, trimmed.to(self.device), scale)
-            loss.backward()
+            # the last backward launches the gradient all-reduce bucket by bucket as the gradients are ready
+            last = i == len(splits) - 1 and reducer is not None and self.fsdp.overlap_grad_reduce
+            with reducer.overlapping() if last else contextlib.nullcontext():
+                loss.backward()
             if rows is not None:  # a padding micro-batch's metrics would dilute the mean
                 for k, v in m.items():
                     metrics[k] = metrics.get(k, 0.0) + float(v) / real
-        if self.replicated:
-            self._all_reduce_grads()
+        if reducer is not None:
+            reducer.finish()
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.module.parameters() if p.requires_grad], self.config.optim.grad_clip or float("inf"))
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
