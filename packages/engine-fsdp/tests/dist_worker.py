@@ -158,7 +158,7 @@ def main() -> None:
     from polyrl_engine_fsdp.config import FSDPConfig
 
     kw["plugin_config"] = FSDPConfig(fsdp_size=1 if "replicate" in parts else -1, shared_prompt="noshare" not in parts,
-                                     overlap_grad_reduce="nooverlap" not in parts)
+                                     overlap_grad_reduce="nooverlap" not in parts, shared_prompt_min_tokens=0)
     engine = make_engine(model_dir, lr=1e-4, **kw)
     results: dict = {"grad_norm": [], "loss": [], "replicated": engine.replicated, "grads": [], "overlapped": []}
     if "grads" in parts:  # the gradients the optimizer steps on (after the all-reduce, before clipping changes them)

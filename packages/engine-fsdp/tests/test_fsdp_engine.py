@@ -133,7 +133,7 @@ def test_shared_prompt_log_probs_and_values_match_transformers(model_dir):
 
     b = batch(seed=7, rows=6, group=3)
     assert "prompt_ids" in _model_inputs(_trim(b), packed=False, shared_prompt=True)
-    engine = make_engine(str(model_dir), micro_batch_size=6)
+    engine = make_engine(str(model_dir), micro_batch_size=6, plugin_config=FSDPConfig(shared_prompt_min_tokens=0))
     got = engine.infer_batch(b)["log_probs"]
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     for row in range(6):
@@ -142,11 +142,45 @@ def test_shared_prompt_log_probs_and_values_match_transformers(model_dir):
     values = {}
     for share in (True, False):
         critic = make_engine(str(model_dir), "critic", "value", micro_batch_size=6,
-                             plugin_config=FSDPConfig(shared_prompt=share))
+                             plugin_config=FSDPConfig(shared_prompt=share, shared_prompt_min_tokens=0))
         critic.train_batch(b, lambda out, mb, scale: ((out["values"] * mb["response_mask"]).sum(), {}))
         values[share] = critic.infer_batch(b)["values"]
     assert values[True].abs().sum() > 0
     assert torch.allclose(values[True], values[False], atol=1e-5)
+
+
+def test_shared_prompt_form_only_where_it_skips_enough_prompt_tokens(model_dir):
+    """A micro-batch takes the shared-prompt form (two backbone passes) only when it skips at least
+    ``fsdp.shared_prompt_min_tokens`` prompt tokens; the log-probs are the same either way."""
+    from polyrl.agent_loops import collate
+    from polyrl.protocols import AgentLoopOutput
+    from polyrl_engine_fsdp.config import FSDPConfig
+
+    g = torch.Generator().manual_seed(3)
+
+    def grpo_rows(prompt_len: int):  # 2 prompts x 4 samples: (8 - 2) x prompt_len prompt tokens skipped
+        outs = []
+        for i in range(8):
+            if i % 4 == 0:
+                prompt = torch.randint(5, 200, (prompt_len,), generator=g).tolist()
+            outs.append(AgentLoopOutput(prompt_ids=prompt, response_ids=torch.randint(5, 200, (6,), generator=g).tolist(),
+                                        response_mask=[1] * 6))
+        return collate(outs, pad_token_id=0, max_prompt_length=prompt_len, max_response_length=6)
+
+    batches = {prompt_len: grpo_rows(prompt_len) for prompt_len in (9, 24)}  # 54 and 144 prompt tokens skipped
+    passes = {}
+    for min_tokens in (128, 0):
+        engine = make_engine(str(model_dir), micro_batch_size=8,
+                             plugin_config=FSDPConfig(shared_prompt_min_tokens=min_tokens))
+        calls: list[int] = []
+        engine.module.model.base_model.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
+        for prompt_len, rows in batches.items():
+            calls.clear()
+            out = engine.infer_batch(rows)["log_probs"]
+            passes[min_tokens, prompt_len] = (len(calls), out)
+    assert passes[128, 9][0] == 1 and passes[128, 24][0] == 2  # plain below the threshold, shared above
+    assert passes[0, 9][0] == 2 and passes[0, 24][0] == 2
+    assert torch.allclose(passes[128, 9][1], passes[0, 9][1], atol=1e-5)
 
 
 def test_fused_adamw_by_default_on_cpu(model_dir):

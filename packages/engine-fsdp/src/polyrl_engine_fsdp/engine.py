@@ -546,8 +546,9 @@ class FSDPEngine:
         if self.vision is not None:
             return self._forward_multimodal(mb, temperature, compute_entropy, products)
         mb = _trim(mb)
-        inputs: dict[str, Any] = _model_inputs(mb, packed=self.config.use_remove_padding,
-                                               shared_prompt=self._shared_prompt, uniform=not self.replicated)
+        share = self._shares_prompts(mb)
+        inputs: dict[str, Any] = _model_inputs(mb, packed=self.config.use_remove_padding, shared_prompt=share,
+                                               uniform=share and not self.replicated)
         if products and products.gather_ids:
             require_fields(mb, [products.gather_ids], f"{self.role} engine forward products (gather_ids)")
             inputs["gather"] = mb[products.gather_ids][inputs["rows"], inputs["cols"]]
@@ -571,6 +572,17 @@ class FSDPEngine:
         out = {k: torch.zeros(shape + tuple(v.shape[1:]), dtype=v.dtype, device=v.device).index_put((rows, cols), v)
                for k, v in flat.items()}
         return out, mb
+
+    def _shares_prompts(self, mb: TensorDict) -> bool:
+        """Whether micro-batch ``mb`` (trimmed) takes the shared-prompt form: ``fsdp.shared_prompt`` is on and it
+        skips at least ``fsdp.shared_prompt_min_tokens`` prompt tokens. Sharded ranks agree (each pass all-gathers
+        every layer, so all run the same passes): they share only if every rank's micro-batch does."""
+        if not self._shared_prompt:
+            return False
+        share = _saved_prompt_tokens(mb) >= max(1, self.fsdp.shared_prompt_min_tokens)
+        if not self.replicated and self._world > 1:
+            share = bool(self._all_reduce(torch.tensor([int(share)]), dist.ReduceOp.MIN))
+        return share
 
     def _forward_multimodal(self, mb: TensorDict, temperature: float, compute_entropy: bool,
                             products: ForwardProducts | None = None) -> tuple[dict[str, torch.Tensor], TensorDict]:
@@ -1050,6 +1062,18 @@ def _model_inputs(mb: TensorDict, packed: bool, shared_prompt: bool = False,
                 "index": place[rows, pred_col], "targets": targets, "rows": rows, "cols": cols}
     return {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "index": rows * s + pred_col,
             "targets": targets, "rows": rows, "cols": cols}
+
+
+def _saved_prompt_tokens(mb: TensorDict) -> int:
+    """Prompt tokens the shared-prompt form skips in ``mb`` (left-padded, trimmed): ``(rows - distinct prompts) x
+    prompt width``; 0 when a row has an empty prompt (that form needs every prompt's last token)."""
+    ids, attn = mb["input_ids"], mb["attention_mask"]
+    b, s = ids.shape
+    p = s - mb["responses"].shape[1]
+    if p <= 0 or not bool(attn[:, p - 1].bool().all()):
+        return 0
+    distinct = torch.unique(torch.cat([ids[:, :p], attn[:, :p]], dim=1), dim=0).shape[0]
+    return (b - distinct) * p
 
 
 def _packs_cleanly(pos: torch.Tensor, valid: torch.Tensor) -> bool:
