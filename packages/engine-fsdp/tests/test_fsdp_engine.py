@@ -167,18 +167,18 @@ def test_shared_prompt_form_only_where_it_skips_enough_prompt_tokens(model_dir):
 
     batches = {prompt_len: grpo_rows(prompt_len) for prompt_len in (9, 24)}  # 54 and 144 prompt tokens skipped
     passes = {}
-    for min_tokens in (128, 0):
-        engine = make_engine(str(model_dir), micro_batch_size=8,
-                             plugin_config=FSDPConfig(shared_prompt_min_tokens=min_tokens))
+    for min_tokens in ("default", 0):  # the default threshold (96) lies between the two batches' 54 and 144
+        block = FSDPConfig() if min_tokens == "default" else FSDPConfig(shared_prompt_min_tokens=min_tokens)
+        engine = make_engine(str(model_dir), micro_batch_size=8, plugin_config=block)
         calls: list[int] = []
         engine.module.model.base_model.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
         for prompt_len, rows in batches.items():
             calls.clear()
             out = engine.infer_batch(rows)["log_probs"]
             passes[min_tokens, prompt_len] = (len(calls), out)
-    assert passes[128, 9][0] == 1 and passes[128, 24][0] == 2  # plain below the threshold, shared above
+    assert passes["default", 9][0] == 1 and passes["default", 24][0] == 2  # plain below the threshold, shared above
     assert passes[0, 9][0] == 2 and passes[0, 24][0] == 2
-    assert torch.allclose(passes[128, 9][1], passes[0, 9][1], atol=1e-5)
+    assert torch.allclose(passes["default", 9][1], passes[0, 9][1], atol=1e-5)
 
 
 def test_fused_adamw_by_default_on_cpu(model_dir):

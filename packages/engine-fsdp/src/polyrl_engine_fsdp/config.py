@@ -37,8 +37,9 @@ class FSDPConfig:
     shared_prompt: bool = True
     #: Take the shared-prompt form only for a micro-batch where it skips at least this many prompt tokens
     #: (``(rows - distinct prompts) x prompt width``); below that its second pass costs more than it saves
-    #: (measured on CPU: about even at 108 tokens, 11-14% faster at 190-220). ``0``: whenever a prompt repeats.
-    shared_prompt_min_tokens: int = 128
+    #: (measured on CPU: break-even near 80-100 tokens, -3% to +6% at 108, 11-21% faster at 190-290). ``0``:
+    #: whenever a prompt repeats.
+    shared_prompt_min_tokens: int = 96
     #: Ulysses sequence parallelism (verl's name): this many consecutive ranks split each sequence and exchange
     #: attention heads by all-to-all; they form one data-parallel group. Must divide the role's ranks and the
     #: model's attention heads; 1 = off. See docs/engines/fsdp.md, "Long sequences".
