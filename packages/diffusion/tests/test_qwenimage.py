@@ -222,13 +222,3 @@ def test_every_diffusion_algorithm_trains_tiny_qwenimage(tiny_run, tmp_path, nam
     if name != "diffusion_nft":
         assert abs(rows[0]["actor/ratio_mean"] - 1.0) < 1e-4 and abs(rows[0]["rollout/logprob_diff_mean"]) < 1e-4
 
-
-def test_the_vllm_omni_rollout_is_not_offered_and_says_so(run_files, qwen_dir, tmp_path):
-    """No vllm_omni rollout yet (docs/diffusion.md, "Rollouts"): selecting it is a one-line error at start-up."""
-    from polyrl_diffusion.trainer import FlowGRPOTrainer
-
-    root, _ = run_files
-    config, pm = _config(root, qwen_dir, "ok.jsonl", tmp_path, ["rollout.name=vllm_omni"])
-    with pytest.raises(ConfigError, match=r"samples with rollout\.name=diffusers, not 'vllm_omni'") as info:
-        FlowGRPOTrainer(config, plugins=pm)
-    assert "\n" not in str(info.value)

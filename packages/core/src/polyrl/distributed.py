@@ -84,3 +84,26 @@ def ensure_process_group(backend: str) -> None:
         return
     init_distributed(backend, 0, 1, os.environ.get("MASTER_ADDR", "127.0.0.1"),
                      int(os.environ.get("MASTER_PORT", 0)) or free_port())
+
+
+def exit_process(code: int = 0) -> None:
+    """Leave the process group (if any), flush stdout and stderr, and end the process without the interpreter's
+    teardown.
+
+    For scripts that run one rank of a gloo group and then exit (launched by tests, benchmarks or a user's own
+    launcher). At interpreter finalization, objects still alive from the group's collectives (gloo work items
+    holding tensors) can be destroyed after the runtime they need is gone; rarely (once in this project's
+    CI runs) the process then aborts with ``terminate called without an active exception`` and exit status
+    -6 after all its work was done and saved. Ending with ``os._exit`` skips that teardown; everything the script
+    wrote is already flushed and closed.
+    """
+    import sys
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed stream: nothing to flush
+            pass
+    os._exit(code)

@@ -144,6 +144,18 @@ class DiffusersRolloutConfig:
 
 
 @dataclass
+class VllmOmniRolloutConfig(DiffusersRolloutConfig):
+    """``rollout.vllm_omni``: the ``diffusers`` rollout's options (``max_batch_size``: rows per vllm-omni request;
+    ``text_length``; ``text_cache_size`` is unused: vllm-omni's worker encodes the prompts) and ``engine_kwargs``,
+    vllm-omni's engine arguments passed to its ``Omni(...)`` (e.g. ``{enforce_eager: true}``). The sampler
+    settings are ``trainer.flow_grpo``'s, as for ``diffusers``. docs/diffusion.md, "Rollouts"."""
+
+    #: Keyword arguments for ``vllm_omni.entrypoints.omni.Omni`` (its engine arguments). ``model``,
+    #: ``custom_pipeline_args`` and ``worker_extension_cls`` are the rollout's own and refused here.
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class DiffusersEngineConfig(FSDPConfig):
     """``actor.diffusers``: the FSDP2 options of engine-fsdp's ``fsdp`` block (the engine reuses that engine's
     machinery); ``shared_prompt`` does not apply to images."""

@@ -13,6 +13,9 @@ def register_engines(register):
 def register_rollouts(register):
     register("diffusers", "polyrl_diffusion.rollout:DiffusersRollout",
              description="text-to-image sampling with Flow-GRPO's SDE and per-step log-probs")
+    register("vllm_omni", "polyrl_diffusion.vllm_omni:VllmOmniRollout", requires_modules=["vllm_omni"],
+             install="pip install vllm-omni",
+             description="QwenImage sampled in vllm-omni's engine with polyrl's SDE sampler (GPU; needs vllm-omni)")
 
 
 @hookimpl
@@ -31,6 +34,7 @@ def register_agent_loops(register):
 def register_config_schemas(register):
     register("trainer.flow_grpo", "polyrl_diffusion.config:FlowGRPOConfig")
     register("rollout.diffusers", "polyrl_diffusion.config:DiffusersRolloutConfig")
+    register("rollout.vllm_omni", "polyrl_diffusion.config:VllmOmniRolloutConfig")
     register("engine.diffusers", "polyrl_diffusion.config:DiffusersEngineConfig")
 
 

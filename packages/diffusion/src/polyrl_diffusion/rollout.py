@@ -29,6 +29,7 @@ import random
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ import torch
 from polyrl.protocols import GenerationRequest, GenerationResult, RolloutCapabilities
 from polyrl_diffusion.config import DiffusersRolloutConfig, FlowGRPOConfig
 from polyrl_diffusion.models import FlowModel, TextEmbeddings, guidance_norm, load_flow_model, pad_text
-from polyrl_diffusion.sampler import group_seed, guided, plan_steps, sample_trajectory
+from polyrl_diffusion.sampler import StepPlan, Trajectory, group_seed, guided, plan_steps, sample_trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,24 @@ def _identities(rows: Sequence[tuple[GenerationRequest, int]]) -> list[tuple[str
         seen[gid] = count + 1
         out.append((gid, count))
     return out
+
+
+@dataclass
+class SampleBatch:
+    """One chunk of rows to integrate, fixed by :meth:`DiffusersRollout.generate` before any model runs: the
+    prompts and negative prompts, the initial noise ``[N, C, H, W]`` (CPU), the sigma schedule, the step plan and
+    each row's trained steps, the CFG scale, the embedded guidance value and the seed of the SDE noise. Another
+    engine (the ``vllm_omni`` rollout) integrates the same batch, so what is sampled stays polyrl's decision."""
+
+    prompts: list[str]
+    negatives: list[str]
+    noise: torch.Tensor
+    sigmas: torch.Tensor
+    plan: StepPlan
+    trained: list[list[int]]
+    cfg_scale: float
+    embedded_guidance: float
+    seed: int
 
 
 def _tag(key: str, repeat: int) -> str:
@@ -208,28 +227,19 @@ class DiffusersRollout:
             trained = [plan.trained_indices for _ in rows]
         prompts = [str((r.multi_modal or {}).get("prompt", "")) for r, _ in rows]
         negatives = [str((r.multi_modal or {}).get("negative_prompt") or cfg.negative_prompt) for r, _ in rows]
-        c, h, w = self.model.latent_shape(cfg.height, cfg.width)
+        c, h, w = self.latent_shape(cfg.height, cfg.width)
         noise = []
         shared = cfg.shares_initial_noise() and not validate  # one noise per prompt group (same_initial_noise)
         for gid, k in idents:
             key = f"group:{gid}" if shared else f"row:{rank}:{gid}:{k}"
             gen = torch.Generator().manual_seed(group_seed(base, key))
             noise.append(torch.randn(c, h, w, generator=gen))
-        x = torch.stack(noise).to(self.device)
-        cond = self.embed(prompts)
         scale = float(cfg.cfg_scale)
-        uncond = self.embed(negatives) if scale > 1.0 else None
-        sigmas = self.model.sigma_schedule(plan.num_steps, (h, w))  # a diffusers folder: its scheduler's own
-
         embedded = float(cfg.embedded_guidance)
-
-        def velocity(lat: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-            return guided(lambda xx, ss, emb: self.model.velocity(xx, ss, emb, embedded), lat, sigma, cond, uncond,
-                          scale, _concat, self._keep_norm)
-
-        step_gen = torch.Generator(device=self.device).manual_seed(group_seed(base, f"steps:{rank}:{first}"))
-        traj = sample_trajectory(velocity, x, sigmas, plan, trained, generator=step_gen)
-        images = self.model.decode(traj.x0.to(self.device))
+        sigmas = self.sigma_schedule(plan.num_steps, (h, w))  # a diffusers folder: its scheduler's own
+        traj, images, cond, uncond = self.sample(SampleBatch(
+            prompts=prompts, negatives=negatives, noise=torch.stack(noise), sigmas=sigmas, plan=plan, trained=trained,
+            cfg_scale=scale, embedded_guidance=embedded, seed=group_seed(base, f"steps:{rank}:{first}")))
         train_cfg = scale if (cfg.train_cfg and uncond is not None) else 1.0
         with_neg = train_cfg > 1.0 and uncond is not None
         if not validate:  # one device-to-host copy per field; the rows below are views
@@ -268,6 +278,34 @@ class DiffusersRollout:
             out.append(GenerationResult(prompt_ids=[], response_ids=[], log_probs=[], finish_reason="stop",
                                         request_id=req.request_id, sample_index=k, extra=extra))
         return out
+
+    def latent_shape(self, height: int = 0, width: int = 0) -> tuple[int, int, int]:
+        """``(C, H, W)`` of the latents for ``height x width`` pixels (:meth:`FlowModel.latent_shape`)."""
+        return self.model.latent_shape(height, width)
+
+    def sigma_schedule(self, num_steps: int, latent_hw: tuple[int, int]) -> torch.Tensor:
+        """The sampler's ``num_steps + 1`` sigmas (:meth:`FlowModel.sigma_schedule`: a diffusers folder's
+        scheduler's own)."""
+        return self.model.sigma_schedule(num_steps, latent_hw)
+
+    def sample(self, batch: SampleBatch) -> tuple[Trajectory, torch.Tensor, TextEmbeddings, TextEmbeddings | None]:
+        """Integrate ``batch``: the trajectory, the images ``uint8 [N, 3, H, W]`` and the text conditioning (the
+        negative one only with CFG), each padded as :meth:`embed` pads. The seam another engine overrides
+        (:class:`polyrl_diffusion.vllm_omni.VllmOmniRollout`); the plan, the noise and the batch fields stay
+        :meth:`generate`'s."""
+        cond = self.embed(batch.prompts)
+        scale = batch.cfg_scale
+        uncond = self.embed(batch.negatives) if scale > 1.0 else None
+        embedded = batch.embedded_guidance
+
+        def velocity(lat: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+            return guided(lambda xx, ss, emb: self.model.velocity(xx, ss, emb, embedded), lat, sigma, cond, uncond,
+                          scale, _concat, self._keep_norm)
+
+        step_gen = torch.Generator(device=self.device).manual_seed(batch.seed)
+        traj = sample_trajectory(velocity, batch.noise.to(self.device), batch.sigmas, batch.plan, batch.trained,
+                                 generator=step_gen)
+        return traj, self.model.decode(traj.x0.to(self.device)), cond, uncond
 
     # ------------------------------------------------------------------ weights and memory
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

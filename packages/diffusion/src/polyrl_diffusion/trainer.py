@@ -25,8 +25,9 @@ from polyrl_diffusion.worker import FlowGRPOWorker
 
 log = logging.getLogger("polyrl")
 
-#: The rollouts the flow_grpo trainer samples with (polyrl's diffusers sampler; docs/diffusion.md, "Rollouts").
-ROLLOUTS = ("diffusers",)
+#: The rollouts the flow_grpo trainer samples with (polyrl's diffusers sampler; vllm-omni's engine running polyrl's
+#: sampler, GPU only; docs/diffusion.md, "Rollouts").
+ROLLOUTS = ("diffusers", "vllm_omni")
 
 
 class FlowGRPOTrainer(PPOTrainer):
@@ -54,6 +55,10 @@ class FlowGRPOTrainer(PPOTrainer):
         if config.rollout.name not in ROLLOUTS:
             raise ConfigError(f"trainer.name=flow_grpo samples with rollout.name={' or '.join(ROLLOUTS)}, not "
                               f"{config.rollout.name!r}")
+        if config.rollout.name == "vllm_omni":  # the package, the model family, engine_kwargs: before any worker
+            from polyrl_diffusion.vllm_omni import check_vllm_omni
+
+            check_vllm_omni(config.actor.model.path, config.rollout.plugin_config)
         if config.algorithm.adv_estimator == "gae":
             raise ConfigError("algorithm.adv_estimator=gae needs a critic; flow_grpo has none: use flow_grpo or grpo")
         from polyrl_diffusion.models import pipeline_family
@@ -63,7 +68,7 @@ class FlowGRPOTrainer(PPOTrainer):
         rollout_opts = config.rollout.plugin_config
         if not isinstance(rollout_opts, DiffusersRolloutConfig):
             rollout_opts = DiffusersRolloutConfig()
-        check_numbers(rollout_opts, f"rollout.{config.rollout.name}", skip=("sampler",))
+        check_numbers(rollout_opts, f"rollout.{config.rollout.name}", skip=("sampler", "engine_kwargs"))
         self.rollout_opts = rollout_opts
         engine_opts = config.actor.plugin_config
         if engine_opts is not None and getattr(engine_opts, "fsdp_size", -1) not in (-1,) and engine_opts.fsdp_size < 1:
