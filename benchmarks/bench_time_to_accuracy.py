@@ -20,7 +20,8 @@ evaluation excluded (process start-up excluded on both sides). The sides alterna
 
 Reported: per seed, both curves as (seconds, accuracy) points; the accuracy TRL reaches after its last step (the
 mean of its last two evaluations, to smooth the sampled validation), and the seconds polyrl takes to first reach
-it; the ratio of those times (target <= 0.5).
+it; the ratio of those times (target <= 0.5). ``--polyrl-steps`` lets polyrl run past TRL's generation count,
+so that a side a little short of the target at TRL's last step still gets a time (or none: "never").
 
 TRL is the baseline, not a polyrl dependency: ``pip install --no-deps --target /tmp/trl trl==1.16.0`` and
 ``PYTHONPATH=/tmp/trl``.
