@@ -315,7 +315,7 @@ class FSDPEngine:
         self.vision = self._check_vision_language(hf_config)
         if self.vision is not None:
             suffixes += ("ForConditionalGeneration",)
-        if archs and not any(a.endswith(suffixes) for a in archs):
+        if archs and not any(a.endswith(suffixes) for a in archs) and not self._value_head_checkpoint(path, hf_config):
             raise ConfigError(f"{self.role}.model.path={mcfg.path}: {archs} is not a causal LM; the fsdp engine "
                               "trains causal LMs and value models built from them")
         if self.config.use_remove_padding and mcfg.attn_implementation not in _PACKED_ATTENTION:
@@ -474,6 +474,15 @@ class FSDPEngine:
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
                 offset += p.numel()
 
+    def _value_head_checkpoint(self, path: str, hf_config: Any) -> bool:
+        """A value model from a decoder saved with a value head by another library (OpenRLHF names its own class,
+        ``RewardModel``, in ``architectures``; the tensors are a decoder's)."""
+        if self.model_type != "value":
+            return False
+        from polyrl.models.reward_heads import find_reward_head
+
+        return find_reward_head(path, hf_config).kind in ("v_head", "value_head")
+
     def _load_hf(self, path: str, hf_config: Any, dtype: torch.dtype, mcfg: Any) -> nn.Module:
         from transformers import (
             AutoModelForCausalLM,
@@ -505,15 +514,9 @@ class FSDPEngine:
         if new_head and not mcfg.random_init:
             from polyrl.models.reward_heads import value_head_tensors
 
-            bias = getattr(model.score, "bias", None)
-            head = value_head_tensors(path)
+            head = value_head_tensors(path, hf_config)  # TRL's v_head / OpenRLHF's head, its normalisation folded in
             if head:
-                with torch.no_grad():
-                    model.score.weight.copy_(head["weight"].to(model.score.weight.dtype))
-                    if bias is not None and "bias" in head:
-                        bias.copy_(head["bias"].to(bias.dtype))
-                    elif bias is not None:
-                        bias.zero_()
+                _copy_head(model.score, head, path)
                 new_head = False
         if new_head:
             nn.init.zeros_(model.score.weight)
@@ -1107,3 +1110,16 @@ def _move_optimizer(optimizer: Any, device: Any) -> None:
         for k, v in state.items():
             if isinstance(v, torch.Tensor):
                 state[k] = v.to(device)
+
+
+def _copy_head(score: nn.Module, head: dict[str, torch.Tensor], path: str) -> None:
+    """Put a saved value head (``polyrl.models.reward_heads.value_head_tensors``) into the ``score`` layer."""
+    bias = getattr(score, "bias", None)
+    if bias is None and bool(head["bias"].abs().max() > 0):
+        raise ConfigError(f"model.path={path}: the saved value head has a bias (or a reward normalisation) and this "
+                          "model's score layer has none")
+    with torch.no_grad():
+        score.weight.copy_(head["weight"].to(score.weight.dtype))
+        if bias is not None:
+            bias.copy_(head["bias"].to(bias.dtype))
+
