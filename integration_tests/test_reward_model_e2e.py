@@ -29,6 +29,25 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _policy_batch(tok, prompts: list, responses: list[str]):
+    """A generated batch as the trainer hands it to the reward model: each prompt's chat tokens (left-padded) and
+    its response's tokens with EOS (right-padded), the rows' chat messages in ``raw_prompt``."""
+    from polyrl.batch import make_batch
+
+    p_ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True) for p in prompts]
+    p_ids = [list(x["input_ids"] if hasattr(x, "keys") else x) for x in p_ids]
+    r_ids = [tok(r, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for r in responses]
+    pw, rw, pad = max(map(len, p_ids)), max(map(len, r_ids)), tok.pad_token_id
+    prompt_t = torch.tensor([[pad] * (pw - len(p)) + p for p in p_ids])
+    resp_t = torch.tensor([r + [pad] * (rw - len(r)) for r in r_ids])
+    mask = torch.cat([torch.tensor([[0] * (pw - len(p)) + [1] * len(p) for p in p_ids]),
+                      torch.tensor([[1] * len(r) + [0] * (rw - len(r)) for r in r_ids])], dim=1)
+    return make_batch({"prompts": prompt_t, "responses": resp_t, "attention_mask": mask,
+                       "response_mask": mask[:, pw:]},
+                      {"raw_prompt": [json.dumps(p) for p in prompts], "data_source": ["arithmetic"] * len(prompts),
+                       "ground_truth": [""] * len(prompts)})
+
+
 def test_a_reward_model_mixed_with_the_rule_scores_a_grpo_run(base_overrides, manifest_file, tmp_path, reward_model):
     train(manifest_file, [], base_overrides + [
         "trainer.executor=local", "trainer.test_freq=0", "reward_model.enable=true",
@@ -54,7 +73,6 @@ def test_reward_model_scores_match_a_transformers_forward_with_another_tokenizer
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from polyrl import plugins
-    from polyrl.batch import make_batch
     from polyrl.config.loader import load_config
     from polyrl.config.schema import PolyrlConfig
     from polyrl.manifest import Manifest
@@ -80,18 +98,7 @@ def test_reward_model_scores_match_a_transformers_forward_with_another_tokenizer
 
     prompts = [[{"role": "user", "content": f"What is {a}+{b}?"}] for a, b in ((1, 2), (7, 5), (9, 9))]
     responses = ["3", "12 and more", "1"]
-    p_ids = [policy_tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True) for p in prompts]
-    p_ids = [list(x["input_ids"] if hasattr(x, "keys") else x) for x in p_ids]
-    r_ids = [policy_tok(r, add_special_tokens=False)["input_ids"] + [policy_tok.eos_token_id] for r in responses]
-    pw, rw, pad = max(map(len, p_ids)), max(map(len, r_ids)), policy_tok.pad_token_id
-    prompt_t = torch.tensor([[pad] * (pw - len(p)) + p for p in p_ids])
-    resp_t = torch.tensor([r + [pad] * (rw - len(r)) for r in r_ids])
-    mask = torch.cat([torch.tensor([[0] * (pw - len(p)) + [1] * len(p) for p in p_ids]),
-                      torch.tensor([[1] * len(r) + [0] * (rw - len(r)) for r in r_ids])], dim=1)
-    batch = make_batch({"prompts": prompt_t, "responses": resp_t, "attention_mask": mask,
-                        "response_mask": mask[:, pw:]},
-                       {"raw_prompt": [json.dumps(p) for p in prompts], "data_source": ["arithmetic"] * 3,
-                        "ground_truth": ["3", "12", "18"]})
+    batch = _policy_batch(policy_tok, prompts, responses)
 
     groups = build_role_groups(config, manifest=manifest, use_ref=False, use_critic=False, run_dir=tmp_path / "run",
                                extra_roles=[reward_model_spec(config)])
@@ -172,3 +179,62 @@ def test_an_unreachable_sandbox_fusion_url_is_one_line_at_start_up(base_override
     assert "\n" not in msg and msg.startswith(f"reward.sandbox_fusion.url=http://127.0.0.1:{port}/run_code: cannot connect")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
+
+
+def test_a_reward_model_scores_each_sample_the_same_colocated_and_in_a_pool_of_its_own(
+        manifest_file, tmp_path, tiny_model, reward_model):
+    """The same reward model scoring the same batch in two placements: colocated (one group holding actor,
+    rollout and reward model, the reward model offloaded between calls; the local executor, so in this process)
+    and on Ray in a pool of its own of two workers (FSDP over a gloo group: the rows are split over two
+    data-parallel ranks, 7 rows padded to 8, and travel through Ray). Micro-batches are packed by a token budget
+    (``use_dynamic_bsz``), so rows of several widths share them. Per sample, in both row orders and on a second
+    call, both placements must give the scores of a plain ``transformers`` forward, and each other's."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from polyrl import plugins
+    from polyrl.config.loader import load_config
+    from polyrl.config.schema import PolyrlConfig
+    from polyrl.manifest import Manifest
+    from polyrl.reward_models.scorer import RewardModelScorer, check_reward_model, reward_model_spec
+    from polyrl.trainer.role_groups import build_role_groups
+
+    manifest = Manifest.load(manifest_file)
+    pm = plugins.activate(manifest)
+    common = [f"model.path={tiny_model}", "reward_model.enable=true", f"reward_model.model.path={reward_model}",
+              "reward_model.use_dynamic_bsz=true", "reward_model.max_token_len_per_gpu=64",
+              "data.max_prompt_length=32", "data.max_response_length=16"]
+    placements = {"colocated": ["trainer.executor=local"],
+                  "own pool": ["trainer.executor=ray", "trainer.n_workers=1", "trainer.ray_num_cpus=3",
+                               "trainer.placement={actor: main, rollout: main, reward_model: rm}",
+                               "trainer.pools={rm: 2}"]}
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompts = [[{"role": "user", "content": f"What is {a}+{b}?"}] for a, b in ((1, 2), (7, 5), (9, 9), (0, 0),
+                                                                                (4, 8), (3, 3), (6, 1))]
+    responses = ["3", "12 and more", "1", "", "twelve, I think", "6", "7" * 12]
+    batch = _policy_batch(tok, prompts, responses)
+    backwards = torch.arange(len(prompts) - 1, -1, -1)
+
+    got: dict[str, list[float]] = {}
+    for name, placement in placements.items():
+        config = load_config(PolyrlConfig, [], common + placement, plugins=pm)
+        rm_tok = check_reward_model(config, pm, tok)
+        groups = build_role_groups(config, manifest=manifest, use_ref=False, use_critic=False,
+                                   run_dir=tmp_path / name.replace(" ", "_"), extra_roles=[reward_model_spec(config)])
+        try:
+            scorer = RewardModelScorer(config, policy_tokenizer=tok, rm_tokenizer=rm_tok, plugins=pm,
+                                       group=lambda g=groups: g.reward_model)
+            layout = (groups.reward_model.world_size, groups.reward_model is groups.actor)
+            assert layout == ((1, True) if name == "colocated" else (2, False)), (name, layout)
+            got[name] = scorer(batch).scores
+            got[name + " backwards"] = scorer(batch[backwards]).scores[::-1]
+            got[name + " again"] = scorer(batch).scores  # colocated: after an offload and a reload
+        finally:
+            groups.shutdown()
+
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model).eval()
+    with torch.no_grad():
+        want = [float(model(input_ids=torch.tensor([ids])).logits[0, 0]) for ids in scorer.inputs.sequences(batch)]
+    assert len({round(w, 4) for w in want}) == len(want)  # every sample its own score: a mix-up would show
+    for name, scores in got.items():
+        assert scores == pytest.approx(want, abs=1e-5), name
+    assert got["own pool"] == pytest.approx(got["colocated"], abs=1e-6)

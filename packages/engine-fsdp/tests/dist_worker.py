@@ -147,13 +147,31 @@ def main() -> None:
     # "replicate": fsdp_size=1, a plain module per rank with all-reduced gradients
     # "grouped": rows share prompts in runs of 3 (micro-batches of 2 then hold one or two distinct prompts);
     # "noshare" turns the shared-prompt forward off, so the two are compared
+    # "nooverlap": the replicated layout's gradient all-reduce after backward instead of during it;
+    # "buckets": 4 KiB gradient buckets (dozens on the tiny model), "grads": record the averaged gradients
     parts = set(scenario.split("-"))
+    if "buckets" in parts:
+        import polyrl_engine_fsdp.grad_reduce as grad_reduce
+
+        grad_reduce.DEFAULT_BUCKET_BYTES = 4 << 10
     kw: dict = {"use_dynamic_bsz": True, "use_remove_padding": True, "max_token_len_per_gpu": 20} if "dynamic" in parts else {}
     from polyrl_engine_fsdp.config import FSDPConfig
 
-    kw["plugin_config"] = FSDPConfig(fsdp_size=1 if "replicate" in parts else -1, shared_prompt="noshare" not in parts)
+    kw["plugin_config"] = FSDPConfig(fsdp_size=1 if "replicate" in parts else -1, shared_prompt="noshare" not in parts,
+                                     overlap_grad_reduce="nooverlap" not in parts, shared_prompt_min_tokens=0)
     engine = make_engine(model_dir, lr=1e-4, **kw)
-    results: dict = {"grad_norm": [], "loss": [], "replicated": engine.replicated}
+    results: dict = {"grad_norm": [], "loss": [], "replicated": engine.replicated, "grads": [], "overlapped": []}
+    if "grads" in parts:  # the gradients the optimizer steps on (after the all-reduce, before clipping changes them)
+        clip = torch.nn.utils.clip_grad_norm_
+
+        def recording_clip(params, *args, **kwargs):
+            params = list(params)
+            results["grads"].append([p.grad.clone() for p in params])
+            reducer = engine._grad_reducer()
+            results["overlapped"].append(reducer.launched_in_backward if reducer is not None else 0)
+            return clip(params, *args, **kwargs)
+
+        torch.nn.utils.clip_grad_norm_ = recording_clip
     for step in range(3):
         full = batch(seed=step, group=3 if "grouped" in parts else 1)
         shard = full[rank * (8 // world) : (rank + 1) * (8 // world)]

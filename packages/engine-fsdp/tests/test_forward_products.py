@@ -45,7 +45,7 @@ def test_products_equal_a_full_vocabulary_forward(model_dir, layout):
     ids = torch.randint(0, 200, (6, 10, 3), generator=torch.Generator().manual_seed(0))
     b["other_ids"] = ids
     engine = make_engine(str(model_dir), micro_batch_size=4, use_remove_padding=layout == "packed",
-                         plugin_config=FSDPConfig(shared_prompt=layout == "shared_prompt"))
+                         plugin_config=FSDPConfig(shared_prompt=layout == "shared_prompt", shared_prompt_min_tokens=0))
     products = ForwardProducts(sum_pi_squared=True, top_k=4, gather_ids="other_ids")
     out = engine.infer_batch(b, temperature=TEMPERATURE, products=products)
     assert set(out.keys()) == {"log_probs", "sum_pi_squared", "top_k_log_probs", "top_k_ids", "gathered_log_probs"}

@@ -85,6 +85,27 @@ def test_fsdp_size_one_replicates_and_matches_full_sharding(model_dir, tmp_path)
             assert torch.allclose(w, other["weights"][name], atol=1e-6), name
 
 
+def test_overlapped_grad_reduce_equals_reduce_after_backward(model_dir, tmp_path):
+    """Replicated (``fsdp_size=1``) on 2 gloo ranks: the gradients all-reduced bucket by bucket during the last
+    backward are bit-for-bit those all-reduced after it, over 3 steps of 2 micro-batches. Small buckets (dozens);
+    the ranks' micro-batches take different forward paths (shared-prompt or plain). (Ranks that finish their
+    buckets in different orders or leave parameters out: tests/test_grad_reduce.py.)"""
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+    after = _run_group(2, model_dir, tmp_path / "a", "replicate-grouped-buckets-grads-nooverlap")
+    during = _run_group(2, model_dir, tmp_path / "b", "replicate-grouped-buckets-grads")
+    assert after["results"]["overlapped"] == [0, 0, 0]
+    assert all(n > 1 for n in during["results"]["overlapped"])  # buckets did start inside backward
+    assert len(after["results"]["grads"]) == len(during["results"]["grads"]) == 3
+    for step_after, step_during in zip(after["results"]["grads"], during["results"]["grads"]):
+        assert len(step_after) == len(step_during)
+        for a, d in zip(step_after, step_during):
+            assert torch.equal(a, d)
+    assert after["results"]["grad_norm"] == during["results"]["grad_norm"]
+    for name, w in after["weights"].items():
+        assert torch.equal(w, during["weights"][name]), name
+
+
 @pytest.mark.parametrize("layout", ["sharded", "replicate"])
 def test_shared_prompt_forward_trains_like_the_full_forward(model_dir, tmp_path, layout):
     """Rows that share a prompt run it once (its KV cache copied to each row): the same losses, gradient norms
@@ -110,7 +131,7 @@ def test_shared_prompt_log_probs_and_values_match_transformers(model_dir):
 
     b = batch(seed=7, rows=6, group=3)
     assert "prompt_ids" in _model_inputs(_trim(b), packed=False, shared_prompt=True)
-    engine = make_engine(str(model_dir), micro_batch_size=6)
+    engine = make_engine(str(model_dir), micro_batch_size=6, plugin_config=FSDPConfig(shared_prompt_min_tokens=0))
     got = engine.infer_batch(b)["log_probs"]
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     for row in range(6):
@@ -119,11 +140,45 @@ def test_shared_prompt_log_probs_and_values_match_transformers(model_dir):
     values = {}
     for share in (True, False):
         critic = make_engine(str(model_dir), "critic", "value", micro_batch_size=6,
-                             plugin_config=FSDPConfig(shared_prompt=share))
+                             plugin_config=FSDPConfig(shared_prompt=share, shared_prompt_min_tokens=0))
         critic.train_batch(b, lambda out, mb, scale: ((out["values"] * mb["response_mask"]).sum(), {}))
         values[share] = critic.infer_batch(b)["values"]
     assert values[True].abs().sum() > 0
     assert torch.allclose(values[True], values[False], atol=1e-5)
+
+
+def test_shared_prompt_form_only_where_it_skips_enough_prompt_tokens(model_dir):
+    """A micro-batch takes the shared-prompt form (two backbone passes) only when it skips at least
+    ``fsdp.shared_prompt_min_tokens`` prompt tokens; the log-probs are the same either way."""
+    from polyrl.agent_loops import collate
+    from polyrl.protocols import AgentLoopOutput
+    from polyrl_engine_fsdp.config import FSDPConfig
+
+    g = torch.Generator().manual_seed(3)
+
+    def grpo_rows(prompt_len: int):  # 2 prompts x 4 samples: (8 - 2) x prompt_len prompt tokens skipped
+        outs = []
+        for i in range(8):
+            if i % 4 == 0:
+                prompt = torch.randint(5, 200, (prompt_len,), generator=g).tolist()
+            outs.append(AgentLoopOutput(prompt_ids=prompt, response_ids=torch.randint(5, 200, (6,), generator=g).tolist(),
+                                        response_mask=[1] * 6))
+        return collate(outs, pad_token_id=0, max_prompt_length=prompt_len, max_response_length=6)
+
+    batches = {prompt_len: grpo_rows(prompt_len) for prompt_len in (9, 24)}  # 54 and 144 prompt tokens skipped
+    passes = {}
+    for min_tokens in ("default", 0):  # the default threshold (96) lies between the two batches' 54 and 144
+        block = FSDPConfig() if min_tokens == "default" else FSDPConfig(shared_prompt_min_tokens=min_tokens)
+        engine = make_engine(str(model_dir), micro_batch_size=8, plugin_config=block)
+        calls: list[int] = []
+        engine.module.model.base_model.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
+        for prompt_len, rows in batches.items():
+            calls.clear()
+            out = engine.infer_batch(rows)["log_probs"]
+            passes[min_tokens, prompt_len] = (len(calls), out)
+    assert passes["default", 9][0] == 1 and passes["default", 24][0] == 2  # plain below the threshold, shared above
+    assert passes[0, 9][0] == 2 and passes[0, 24][0] == 2
+    assert torch.allclose(passes["default", 9][1], passes[0, 9][1], atol=1e-5)
 
 
 def test_fused_adamw_by_default_on_cpu(model_dir):

@@ -527,7 +527,8 @@ EXAMPLES: dict[str, Example] = {
         "deepseek-ai/deepseek-llm-7b-chat", bs=1024, pl=512, rl=512, mini=256, micro=16, lpm=32, cmicro=32, tp=4, gpus=8,
         extra=("reward_model.sandbox_fusion.url=https://sandbox.example/run_code",
                "reward_model.sandbox_fusion.max_concurrent=128", "reward_model.reward_manager=prime")),
-        expect={"reward.sandbox_fusion.url": "https://sandbox.example/run_code"}),
+        expect={"reward.sandbox_fusion.url": "https://sandbox.example/run_code",
+                "reward.sandbox_fusion.max_concurrent": 128}),
     "ppo_trainer/run_deepseek7b_llm_sp2.sh": Example(ppo(
         "deepseek-ai/deepseek-llm-7b-chat", bs=1024, pl=512, rl=512, mini=256, micro=32, lpm=64, cmicro=64, tp=4, gpus=8,
         mem=0.6, extra=(f"{ARR}.actor.ulysses_sequence_parallel_size=2", "critic.ulysses_sequence_parallel_size=2"))),

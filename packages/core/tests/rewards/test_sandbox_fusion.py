@@ -55,6 +55,11 @@ class FakeSandboxFusion:
     def __init__(self, mode: str = "ok") -> None:
         self.mode = mode
         self.requests: list[dict[str, Any]] = []
+        #: Seconds each answer waits (to see requests overlap), and the most requests it held at once.
+        self.delay_s = 0.0
+        self.peak_in_flight = 0
+        self._in_flight = 0
+        self._lock = threading.Lock()
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -73,6 +78,12 @@ class FakeSandboxFusion:
                     self.end_headers()
                     self.wfile.write(b'{"detail": "nope"}')
                     return
+                with fake._lock:
+                    fake._in_flight += 1
+                    fake.peak_in_flight = max(fake.peak_in_flight, fake._in_flight)
+                time.sleep(fake.delay_s)
+                with fake._lock:
+                    fake._in_flight -= 1
                 data = json.dumps(_fake_run(body)).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -184,3 +195,21 @@ def test_verls_sandbox_fusion_url_keyword_reaches_the_server(fake):
     assert fake.requests  # it ran there, not in the local sandbox
     assert run_code_url("http://h:8080/") == "http://h:8080/run_code"
     assert run_code_url("http://h:8080/run_code") == "http://h:8080/run_code"
+
+
+@pytest.mark.parametrize(("max_concurrent", "peak"), [(1, 1), (0, 3)])
+def test_max_concurrent_caps_the_requests_in_flight_to_the_server(fake, max_concurrent, peak):
+    """verl's ``reward_model.sandbox_fusion.max_concurrent``: 3 samples scored on 3 threads
+    (``reward.num_workers``), each test answered after 0.1 s; the fake server holds at most ``max_concurrent``
+    requests at once (0: ``reward.num_workers`` alone caps them)."""
+    from polyrl.rewards.managers import run_calls
+
+    reward = RewardConfig(sandbox="sandbox_fusion", num_workers=3)
+    reward.sandbox_fusion.url = fake.url
+    reward.sandbox_fusion.max_concurrent = max_concurrent
+    fake.delay_s = 0.1
+    scorer = build_code_scorer(reward)
+    results = run_calls(scorer, [("apps", ADD, ADD_STDIO)] * 3, num_workers=3, timeout_s=30)
+    assert [r["score"] for r in results] == [1.0] * 3
+    assert fake.peak_in_flight == peak
+

@@ -101,3 +101,37 @@ def test_sync_run_resumes_an_async_checkpoint_without_losing_prompts():
     assert _uids(source._rows()) == ["0-4-x", "0-5-x", "0-6-x", "0-7-x"]
     # the loader's batch that filled it up was drawn whole: its last prompt is carried (and checkpointed) on
     assert _uids(source.snapshot().state["pending_rows"]) == ["0-8-x"]
+
+
+# ---------------------------------------------------------------------- staleness bound and sampling seeds
+
+
+def test_a_staleness_bound_of_two_keeps_groups_two_versions_old_and_drops_older_ones():
+    source = _source(batch_groups=3, staleness=2, step=5)
+    source.ready.extend([_group(0, version=2), _group(1, version=3), _group(2, version=4), _group(3, version=5)])
+    assert _prompts(source.next_batch()) == [1, 2, 3]  # versions 3, 4, 5 against policy 5: staleness 2, 1, 0
+    assert source.dropped == 1 and _uids(source.todo) == ["0-0-x"]  # version 2 is 3 behind: generated again
+
+
+def test_staleness_metrics_are_the_policy_version_minus_each_samples_generating_version():
+    from polyrl import batch as batch_ops
+    from polyrl.trainer.sample_sources import _staleness_metrics
+
+    batch = TensorDict({"x": torch.zeros(4)}, batch_size=[4])
+    batch_ops.set_non_tensor(batch, "gen_version", [5, 5, 4, 3])
+    metrics = _staleness_metrics(batch, 5)
+    assert metrics == {"async/staleness_mean": 0.75, "async/staleness_max": 2.0, "async/policy_version": 5.0}
+
+
+def test_a_chunk_that_starts_a_batch_is_sampled_with_the_seed_sync_gives_that_step():
+    """Paired seeds: a synchronous run samples step k (``global_step`` k - 1) with ``seed * 1_000_003 + k - 1``;
+    fully async samples the chunk holding that step's prompts with the same seed, other chunks with their own."""
+    source = _source(batch_groups=4)
+    source.trainer.config.trainer.seed = 7
+    source.trainer.loader = [None] * 10  # ten steps per epoch
+    base = 7 * 1_000_003
+    assert source._seed([{"uid": "0-0-a"}]) == base  # step 1's prompts
+    assert source._seed([{"uid": "0-8-b"}]) == base + 2  # step 3's
+    assert source._seed([{"uid": "1-4-c"}]) == base + 11  # epoch 1, its second batch: step 12
+    inside = source._seed([{"uid": "0-10-d"}])  # half-way into step 3's batch
+    assert inside not in {base + k for k in range(20)}

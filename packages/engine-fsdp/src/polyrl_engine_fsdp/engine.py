@@ -42,6 +42,7 @@ from polyrl.models.paths import check_model_path
 from polyrl.protocols import INFERENCE_ROLES, ForwardProducts, LossScale
 from polyrl_engine_fsdp.activation_offload import offload_activations
 from polyrl_engine_fsdp.config import FSDPConfig, check_choice, torch_dtype
+from polyrl_engine_fsdp.grad_reduce import GradReducer
 from polyrl_engine_fsdp.multimodal import embed_with_images
 from polyrl_engine_fsdp.ulysses import SequenceParallel, check_sequence_parallel
 
@@ -225,6 +226,7 @@ class FSDPEngine:
         #: A vision-language model's ``vision_config`` (set by :meth:`load_model`; ``None``: text only).
         self.vision: Any = None
         self._vision_trained = False
+        self._reducer: GradReducer | None = None
         self._build_model()
         self.optimizer = self.scheduler = None
         if role not in INFERENCE_ROLES:  # ref, reward_model, teacher only infer
@@ -315,7 +317,7 @@ class FSDPEngine:
         self.vision = self._check_vision_language(hf_config)
         if self.vision is not None:
             suffixes += ("ForConditionalGeneration",)
-        if archs and not any(a.endswith(suffixes) for a in archs):
+        if archs and not any(a.endswith(suffixes) for a in archs) and not self._value_head_checkpoint(path, hf_config):
             raise ConfigError(f"{self.role}.model.path={mcfg.path}: {archs} is not a causal LM; the fsdp engine "
                               "trains causal LMs and value models built from them")
         if self.config.use_remove_padding and mcfg.attn_implementation not in _PACKED_ATTENTION:
@@ -440,39 +442,23 @@ class FSDPEngine:
         return init_device_mesh(self.platform.device_type, (self._world // shard_ranks, shard_ranks),
                                 mesh_dim_names=("replicate", "shard"))
 
-    def _all_reduce_grads(self, bucket_bytes: int = 64 << 20) -> None:
-        """Replicated model: average every trainable gradient over the ranks (what FSDP's reduce does).
+    def _grad_reducer(self) -> GradReducer | None:
+        """The replicated layout's gradient averaging over the ranks (``None``: one rank, or FSDP reduces)."""
+        if not self.replicated or self._world == 1:
+            return None
+        if self._reducer is None:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            self._reducer = GradReducer(params, self._world, torch_dtype(self.fsdp.reduce_dtype, ""))
+        return self._reducer
 
-        Gradients go in flat buckets of about ``bucket_bytes`` (in ``fsdp.reduce_dtype``), all launched
-        before the first is waited on. A parameter this rank gave no gradient contributes zeros, so every
-        rank reduces the same tensors.
-        """
-        if self._world == 1:
-            return
-        reduce_dtype = torch_dtype(self.fsdp.reduce_dtype, "")
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        buckets: list[list[torch.Tensor]] = [[]]
-        size = 0
-        for p in params:
-            if size >= bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += p.numel() * reduce_dtype.itemsize
-        pending = []
-        for bucket in buckets:
-            flat = torch.cat([p.grad.reshape(-1).to(reduce_dtype) for p in bucket])
-            pending.append((dist.all_reduce(flat, async_op=True), flat, bucket))
-        for work, flat, bucket in pending:
-            work.wait()
-            flat.div_(self._world)
-            offset = 0
-            for p in bucket:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
+    def _value_head_checkpoint(self, path: str, hf_config: Any) -> bool:
+        """A value model from a decoder saved with a value head by another library (OpenRLHF names its own class,
+        ``RewardModel``, in ``architectures``; the tensors are a decoder's)."""
+        if self.model_type != "value":
+            return False
+        from polyrl.models.reward_heads import find_reward_head
+
+        return find_reward_head(path, hf_config).kind in ("v_head", "value_head")
 
     def _load_hf(self, path: str, hf_config: Any, dtype: torch.dtype, mcfg: Any) -> nn.Module:
         from transformers import (
@@ -505,15 +491,9 @@ class FSDPEngine:
         if new_head and not mcfg.random_init:
             from polyrl.models.reward_heads import value_head_tensors
 
-            bias = getattr(model.score, "bias", None)
-            head = value_head_tensors(path)
+            head = value_head_tensors(path, hf_config)  # TRL's v_head / OpenRLHF's head, its normalisation folded in
             if head:
-                with torch.no_grad():
-                    model.score.weight.copy_(head["weight"].to(model.score.weight.dtype))
-                    if bias is not None and "bias" in head:
-                        bias.copy_(head["bias"].to(bias.dtype))
-                    elif bias is not None:
-                        bias.zero_()
+                _copy_head(model.score, head, path)
                 new_head = False
         if new_head:
             nn.init.zeros_(model.score.weight)
@@ -569,8 +549,9 @@ class FSDPEngine:
         if self.vision is not None:
             return self._forward_multimodal(mb, temperature, compute_entropy, products)
         mb = _trim(mb)
-        inputs: dict[str, Any] = _model_inputs(mb, packed=self.config.use_remove_padding,
-                                               shared_prompt=self._shared_prompt, uniform=not self.replicated)
+        share = self._shares_prompts(mb)
+        inputs: dict[str, Any] = _model_inputs(mb, packed=self.config.use_remove_padding, shared_prompt=share,
+                                               uniform=share and not self.replicated)
         if products and products.gather_ids:
             require_fields(mb, [products.gather_ids], f"{self.role} engine forward products (gather_ids)")
             inputs["gather"] = mb[products.gather_ids][inputs["rows"], inputs["cols"]]
@@ -594,6 +575,17 @@ class FSDPEngine:
         out = {k: torch.zeros(shape + tuple(v.shape[1:]), dtype=v.dtype, device=v.device).index_put((rows, cols), v)
                for k, v in flat.items()}
         return out, mb
+
+    def _shares_prompts(self, mb: TensorDict) -> bool:
+        """Whether micro-batch ``mb`` (trimmed) takes the shared-prompt form: ``fsdp.shared_prompt`` is on and it
+        skips at least ``fsdp.shared_prompt_min_tokens`` prompt tokens. Sharded ranks agree (each pass all-gathers
+        every layer, so all run the same passes): they share only if every rank's micro-batch does."""
+        if not self._shared_prompt:
+            return False
+        share = _saved_prompt_tokens(mb) >= max(1, self.fsdp.shared_prompt_min_tokens)
+        if not self.replicated and self._world > 1:
+            share = bool(self._all_reduce(torch.tensor([int(share)]), dist.ReduceOp.MIN))
+        return share
 
     def _forward_multimodal(self, mb: TensorDict, temperature: float, compute_entropy: bool,
                             products: ForwardProducts | None = None) -> tuple[dict[str, torch.Tensor], TensorDict]:
@@ -733,18 +725,22 @@ class FSDPEngine:
         metrics: dict[str, float] = {}
         splits = self.split_micro_batches(batch, self.config.use_dynamic_bsz)
         real = max(1, sum(rows is not None for rows in splits))
-        for rows in splits:
+        reducer = self._grad_reducer()
+        for i, rows in enumerate(splits):
             mb = self.padding_micro_batch(batch) if rows is None else batch[rows]
             with offload_activations(self.device) if self.fsdp.activation_offload else contextlib.nullcontext():
                 out, trimmed = self.forward_micro_batch(mb, temperature, compute_entropy=self.model_type != "value",
                                                         **kw)
             loss, m = loss_fn(out, trimmed.to(self.device), scale)
-            loss.backward()
+            # the last backward launches the gradient all-reduce bucket by bucket as the gradients are ready
+            last = i == len(splits) - 1 and reducer is not None and self.fsdp.overlap_grad_reduce
+            with reducer.overlapping() if last else contextlib.nullcontext():
+                loss.backward()
             if rows is not None:  # a padding micro-batch's metrics would dilute the mean
                 for k, v in m.items():
                     metrics[k] = metrics.get(k, 0.0) + float(v) / real
-        if self.replicated:
-            self._all_reduce_grads()
+        if reducer is not None:
+            reducer.finish()
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.module.parameters() if p.requires_grad], self.config.optim.grad_clip or float("inf"))
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
@@ -1071,6 +1067,18 @@ def _model_inputs(mb: TensorDict, packed: bool, shared_prompt: bool = False,
             "targets": targets, "rows": rows, "cols": cols}
 
 
+def _saved_prompt_tokens(mb: TensorDict) -> int:
+    """Prompt tokens the shared-prompt form skips in ``mb`` (left-padded, trimmed): ``(rows - distinct prompts) x
+    prompt width``; 0 when a row has an empty prompt (that form needs every prompt's last token)."""
+    ids, attn = mb["input_ids"], mb["attention_mask"]
+    b, s = ids.shape
+    p = s - mb["responses"].shape[1]
+    if p <= 0 or not bool(attn[:, p - 1].bool().all()):
+        return 0
+    distinct = torch.unique(torch.cat([ids[:, :p], attn[:, :p]], dim=1), dim=0).shape[0]
+    return (b - distinct) * p
+
+
 def _packs_cleanly(pos: torch.Tensor, valid: torch.Tensor) -> bool:
     """Whether each row's real tokens have positions ``0, 1, 2, ...`` (what packed attention relies on)."""
     expected = (valid.long().cumsum(-1) - 1).clamp(min=0)
@@ -1107,3 +1115,16 @@ def _move_optimizer(optimizer: Any, device: Any) -> None:
         for k, v in state.items():
             if isinstance(v, torch.Tensor):
                 state[k] = v.to(device)
+
+
+def _copy_head(score: nn.Module, head: dict[str, torch.Tensor], path: str) -> None:
+    """Put a saved value head (``polyrl.models.reward_heads.value_head_tensors``) into the ``score`` layer."""
+    bias = getattr(score, "bias", None)
+    if bias is None and bool(head["bias"].abs().max() > 0):
+        raise ConfigError(f"model.path={path}: the saved value head has a bias (or a reward normalisation) and this "
+                          "model's score layer has none")
+    with torch.no_grad():
+        score.weight.copy_(head["weight"].to(score.weight.dtype))
+        if bias is not None:
+            bias.copy_(head["bias"].to(bias.dtype))
+

@@ -376,6 +376,8 @@ class MegatronEngine:
         # the weights transformers initialises from this seed (what the fsdp engine starts from), or model.path's
         load_hf_weights(model, self._random_hf_state() if mcfg.random_init else mcfg.path, self.hf_config,
                         value_head=value)
+        if value and not mcfg.random_init:
+            self._load_saved_value_head(model, mcfg.path)
         self.tcfg = tcfg
         self.tp_group = mpu.get_tensor_model_parallel_group()
         self.cp_group = mpu.get_context_parallel_group()
@@ -391,6 +393,24 @@ class MegatronEngine:
             use_distributed_optimizer=block.use_distributed_optimizer, overlap_grad_reduce=False)
         self.model = DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=model)
         self.inner = model
+
+    def _load_saved_value_head(self, model: Any, path: str) -> None:
+        """A value model from a decoder saved with another library's value head (TRL's ``v_head.summary``,
+        OpenRLHF's ``<value_head_prefix>`` with its reward normalisation folded in): that head, not the ``score``
+        layer the converter reads, on the last pipeline stage (``polyrl.models.reward_heads``)."""
+        from polyrl.models.reward_heads import value_head_tensors
+
+        head = value_head_tensors(path, self.hf_config)
+        score = getattr(getattr(model, "output_layer", None), "score", None)
+        if not head or score is None:  # no such head, or not the last stage
+            return
+        if score.bias is None and bool(head["bias"].abs().max() > 0):
+            raise ConfigError(f"{self.role}.model.path={path}: the saved value head has a bias (or a reward "
+                              "normalisation) and this model's value head has none (token_classification_bias=false)")
+        with torch.no_grad():
+            score.weight.copy_(head["weight"].to(score.weight.dtype))
+            if score.bias is not None:
+                score.bias.copy_(head["bias"].to(score.bias.dtype))
 
     def _random_hf_state(self) -> dict[str, torch.Tensor]:
         """The state dict of the HF model that ``from_config`` builds with the role's seed (value head zeroed)."""

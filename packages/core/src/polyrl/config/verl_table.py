@@ -878,8 +878,9 @@ def _build_table() -> list[Entry]:
                note="code rewards run on that SandboxFusion server (docs/reward_models.md)"),
         Mapped("reward_model.sandbox_fusion.memory_limit_mb", "reward.sandbox_fusion.memory_limit_mb",
                _unless_none("reward.sandbox_fusion.memory_limit_mb", int)),
-        Ignored("reward_model.sandbox_fusion.max_concurrent", "programs run at most reward.num_workers at a time "
-                "(verl's reward_model.num_workers)"),
+        Mapped("reward_model.sandbox_fusion.max_concurrent", "reward.sandbox_fusion.max_concurrent",
+               _unless_none("reward.sandbox_fusion.max_concurrent", int),
+               note="requests in flight to the server; reward.num_workers caps them too"),
         Mapped("reward_model.reward_kwargs.*", "reward.overlong_buffer_enable / reward.overlong_buffer_len / "
                "reward.overlong_penalty_factor / reward.max_response_length",
                _reward_kwargs, note="DAPO's overlong_buffer_cfg (enable, len, penalty_factor) and max_resp_len",

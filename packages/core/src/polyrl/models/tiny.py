@@ -185,3 +185,52 @@ def make_tiny_reward_model(
     cfg.setdefault("chat_template", getattr(tokenizer, "chat_template", None) or CHAT_TEMPLATE)
     cfg_file.write_text(json.dumps(cfg, indent=2))
     return path
+
+
+def make_tiny_value_head_model(
+    path: str | Path,
+    *,
+    library: str = "trl",
+    value_head_prefix: str = "score",
+    normalize: tuple[float, float] | None = None,
+    arch: str = "qwen2",
+    size: str = "tiny",
+    seed: int = 0,
+) -> Path:
+    """Write a random-init decoder saved with a scalar value head the way ``library`` saves a reward model or a
+    critic, with a char tokenizer, to ``path``:
+
+    * ``trl``: ``AutoModelForCausalLMWithValueHead.save_pretrained``: the causal LM's folder (its config names
+      ``XForCausalLM``) whose weights also hold ``v_head.summary.weight`` ``[1, hidden]`` and
+      ``v_head.summary.bias`` ``[1]``;
+    * ``openrlhf``: ``get_llm_for_sequence_regression``'s model saved by its strategy: the base model's tensors
+      (``model.*``, no ``lm_head``) and ``<value_head_prefix>.weight`` ``[1, hidden]`` (no bias); ``config.json``
+      names the class ``RewardModel`` and holds ``value_head_prefix`` and ``normalize_reward``, with ``mean`` and
+      ``std`` when ``normalize`` is ``(mean, std)``.
+
+    The head's weights are random (seeded), so a test can compute the score from them by hand.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if library not in ("trl", "openrlhf"):
+        raise ValueError(f"library={library!r}: choose trl or openrlhf")
+    path = make_tiny_model(path, arch=arch, size=size, seed=seed)
+    weights = path / "model.safetensors"
+    state = load_file(str(weights))
+    config = json.loads((path / "config.json").read_text())
+    hidden = int(config["hidden_size"])
+    g = torch.Generator().manual_seed(seed + 1)
+    if library == "trl":
+        state["v_head.summary.weight"] = torch.randn(1, hidden, generator=g)
+        state["v_head.summary.bias"] = torch.randn(1, generator=g)
+    else:
+        state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
+        state[f"{value_head_prefix}.weight"] = torch.randn(1, hidden, generator=g)
+        config.update(architectures=["RewardModel"], value_head_prefix=value_head_prefix,
+                      normalize_reward=normalize is not None, use_cache=False)
+        if normalize is not None:
+            config.update(mean=float(normalize[0]), std=float(normalize[1]))
+        (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(weights), metadata={"format": "pt"})
+    return path

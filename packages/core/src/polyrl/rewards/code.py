@@ -16,7 +16,8 @@ its JSON text) holds the tests, in one of three styles:
 Each test runs alone, in a fresh sandboxed process, for at most ``reward.code.timeout_s`` seconds. The score
 is 1 when every test passes and 0 otherwise, or with ``reward.code.partial_credit`` the fraction passed; the
 result also holds ``acc`` (all passed), ``passed``, ``total``, ``timeouts`` and ``errors``. At most
-``reward.num_workers`` programs run at a time (the reward manager's calls share the slots). A test the sandbox
+``reward.num_workers`` programs run at a time (the reward manager's calls share the slots; on a SandboxFusion server
+also no more than ``reward.sandbox_fusion.max_concurrent``). A test the sandbox
 could not run at all (``sandbox_error``: a server that fails) makes the call raise :class:`SandboxUnavailable`,
 so the sample gets ``reward.fallback_score`` and counts in ``reward/failures`` instead of scoring 0.
 """
@@ -246,7 +247,7 @@ def sandbox_kind(reward: Any) -> str:
 
 def build_code_scorer(reward: Any, plugins: Any = None) -> CodeScorer:
     """The code scorer of a ``reward`` config block: the sandbox ``reward.sandbox`` names (from the registry),
-    ``reward.code``'s limits, ``reward.num_workers`` slots."""
+    ``reward.code``'s limits, :func:`code_slots` slots."""
     from polyrl.plugins import get_plugin_manager
 
     pm = plugins or get_plugin_manager()
@@ -255,7 +256,15 @@ def build_code_scorer(reward: Any, plugins: Any = None) -> CodeScorer:
         factory = pm.get("sandbox", kind)
     except LookupError as exc:
         raise ConfigError(f"reward.sandbox: {exc}") from None
-    return CodeScorer(factory(reward), getattr(reward, "code", None), slots=int(getattr(reward, "num_workers", 4)))
+    return CodeScorer(factory(reward), getattr(reward, "code", None), slots=code_slots(reward, kind))
+
+
+def code_slots(reward: Any, kind: str) -> int:
+    """How many programs run at once: ``reward.num_workers``, and on a SandboxFusion server no more than
+    ``reward.sandbox_fusion.max_concurrent`` when that is set (verl's key)."""
+    slots = max(1, int(getattr(reward, "num_workers", 4)))
+    cap = int(getattr(getattr(reward, "sandbox_fusion", None), "max_concurrent", 0) or 0)
+    return min(slots, cap) if kind == "sandbox_fusion" and cap > 0 else slots
 
 
 def uses_code_rewards(reward: Any, data_sources: Any) -> bool:

@@ -50,6 +50,10 @@ class SandboxFusionConfig:
     retries: int = 2
     #: Seconds the start-up check (``print(1)``) waits for the server.
     check_timeout_s: float = 10.0
+    #: Requests in flight to the server at once (verl's ``max_concurrent``); the programs of a run never exceed
+    #: ``reward.num_workers`` either, so the cap is the smaller of the two (0: ``reward.num_workers`` alone).
+    #: Default 64, verl's.
+    max_concurrent: int = 64
 
 
 @dataclass

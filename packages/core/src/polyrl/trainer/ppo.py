@@ -561,8 +561,10 @@ class PPOTrainer:
                     if self.val_set is not None and cfg.trainer.test_freq and (
                         self.global_step % cfg.trainer.test_freq == 0 or is_last
                     ):
+                        t_val = time.perf_counter()
                         last_val = self._run_validation()
                         metrics.update(last_val)
+                        metrics["timing/validate"] = time.perf_counter() - t_val  # not in timing/step
                     # metrics first: a checkpoint at step N implies N's metrics line exists (resume re-runs the rest)
                     tracker.log(metrics, self.global_step)
                     history.append({"step": self.global_step, **metrics})

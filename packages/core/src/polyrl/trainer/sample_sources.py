@@ -45,6 +45,9 @@ log = logging.getLogger("polyrl")
 MODES = ("sync", "one_step_off_policy", "fully_async")
 _ALIASES = {"one_step_off": "one_step_off_policy", "async": "fully_async"}
 SAMPLES_FILE = "samples.jsonl"
+#: Seed offset per prompt position of a chunk that starts inside a batch (a prime: no collision with the
+#: per-step seeds of runs shorter than it).
+_CHUNK_SEED_STRIDE = 104_729
 QUEUE_FILE = "async_queue.pt"
 
 
@@ -440,8 +443,21 @@ class StreamingSource(RolloutSource):
                 self.cond.notify_all()
 
     def _seed(self, rows: list[dict]) -> int:
-        base = self.trainer.config.trainer.seed * 1_000_003
-        return (base + zlib.crc32(sample_base(rows[0]).encode())) % (2**31)
+        """The sampling seed of a chunk starting at ``rows[0]``: for a chunk that starts a batch, the seed a
+        synchronous run gives the step that batch is trained in (as ``one_step_off_policy`` does), so the two
+        modes draw the same random numbers for the same prompts (a paired comparison: their first step samples
+        the same responses); a chunk starting inside a batch adds an offset per position. Derived from the
+        prompt's id, so a resumed run samples what an uninterrupted one would."""
+        t = self.trainer
+        base = t.config.trainer.seed * 1_000_003
+        head = sample_base(rows[0])
+        epoch, _, position = head.partition("-")
+        try:
+            step, offset = divmod(int(position), self.batch_groups)
+            step += int(epoch) * len(t.loader)
+        except (TypeError, ValueError):  # an id of another form: a seed of its own
+            return (base + zlib.crc32(head.encode())) % (2**31)
+        return (base + step + _CHUNK_SEED_STRIDE * offset) % (2**31)
 
     # -- the trainer side
     def next_batch(self, groups: int | None = None) -> TensorDict:
