@@ -99,21 +99,9 @@ class HFRollout:
     @torch.inference_mode()
     def _generate_batch(self, items: list[tuple[GenerationRequest, int]], params: SamplingParams,
                         generator: torch.Generator) -> list[GenerationResult]:
-        prompts = [list(req.prompt_ids) for req, _ in items]
         # Identical prompts (GRPO's n samples of one prompt) are prefilled once; their KV cache is then
         # copied to every sample (the cache's beam-search reorder, which every HF cache implements).
-        first: dict[tuple[int, ...], int] = {}
-        owner = [first.setdefault(tuple(p), len(first)) for p in prompts]
-        unique = [list(p) for p in first] if self.share_prefill else prompts
-        expand = torch.tensor(owner, device=self.device) if self.share_prefill and len(unique) < len(prompts) else None
-        width = max(len(p) for p in unique)
-        ids = torch.full((len(unique), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(unique):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        prompts, ids, mask, expand, stop_t = self._prompt_batch(items, params)
         b = len(prompts)
         out_tokens = torch.full((b, params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
         out_logp = torch.zeros((b, params.max_new_tokens), dtype=torch.float32, device=self.device)
@@ -125,7 +113,6 @@ class HFRollout:
         past = new_cache(self.model)
         cached = cache_kwargs(self.model, past)
         cur_ids, cur_pos, attn = ids, position, mask
-        stop_t = torch.tensor(sorted(stop), device=self.device) if stop else None
         # Rows still generating (indices into the batch); finished rows leave the batch and its KV cache,
         # so the tail of a batch with mixed lengths costs what its live rows cost.
         live = torch.arange(b, device=self.device)
@@ -152,18 +139,7 @@ class HFRollout:
             cur_ids = token.unsqueeze(-1)
             cur_pos = cur_pos[:, -1:] + 1
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)
-        results = []
-        for i, (req, k) in enumerate(items):
-            n = int(lengths[i])
-            results.append(GenerationResult(
-                prompt_ids=prompts[i],
-                response_ids=out_tokens[i, :n].tolist(),
-                log_probs=out_logp[i, :n].tolist() if params.logprobs else [],
-                finish_reason="stop" if bool(stopped[i]) else "length",
-                request_id=req.request_id,
-                sample_index=k,
-            ))
-        return results
+        return self._results(items, prompts, out_tokens, out_logp, lengths, stopped, params)
 
     @torch.inference_mode()
     def _generate_batch_static(self, items: list[tuple[GenerationRequest, int]], params: SamplingParams,
@@ -171,20 +147,7 @@ class HFRollout:
         """:meth:`_generate_batch` through :class:`~polyrl.rollout.decode.StaticDecoder`: one prefill per
         distinct prompt, then one token per live row per step over a preallocated KV cache."""
         assert self.decoder is not None
-        prompts = [list(req.prompt_ids) for req, _ in items]
-        first: dict[tuple[int, ...], int] = {}
-        owner = [first.setdefault(tuple(p), len(first)) for p in prompts]
-        unique = [list(p) for p in first] if self.share_prefill else prompts
-        expand = torch.tensor(owner, device=self.device) if self.share_prefill and len(unique) < len(prompts) else None
-        width = max(len(p) for p in unique)
-        ids = torch.full((len(unique), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(unique):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        stop_t = torch.tensor(sorted(stop), device=self.device) if stop else None
+        prompts, ids, mask, expand, stop_t = self._prompt_batch(items, params)
         b, steps = len(prompts), params.max_new_tokens
         out_tokens = torch.full((b, steps), self.pad_id, dtype=torch.long, device=self.device)
         out_logp = torch.zeros((b, steps), dtype=torch.float32, device=self.device)
@@ -227,6 +190,26 @@ class HFRollout:
         finally:
             state.release()
         return self._results(items, prompts, out_tokens, out_logp, lengths, stopped, params)
+
+    def _prompt_batch(self, items: list[tuple[GenerationRequest, int]], params: SamplingParams
+                      ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The requests' prompts; the left-padded ids and mask to prefill (one row per distinct prompt where
+        ``share_prefill``); ``expand`` (each sample's prefilled row, ``None`` when every row is its own); the
+        stop token ids (``None``: none)."""
+        prompts = [list(req.prompt_ids) for req, _ in items]
+        first: dict[tuple[int, ...], int] = {}
+        owner = [first.setdefault(tuple(p), len(first)) for p in prompts]
+        unique = [list(p) for p in first] if self.share_prefill else prompts
+        expand = torch.tensor(owner, device=self.device) if self.share_prefill and len(unique) < len(prompts) else None
+        width = max(len(p) for p in unique)
+        ids = torch.full((len(unique), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(unique):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        stop_t = torch.tensor(sorted(stop), device=self.device) if stop else None
+        return prompts, ids.to(self.device), mask.to(self.device), expand, stop_t
 
     def _results(self, items: list[tuple[GenerationRequest, int]], prompts: list[list[int]], out_tokens: torch.Tensor,
                  out_logp: torch.Tensor, lengths: torch.Tensor, stopped: torch.Tensor,
@@ -301,14 +284,7 @@ class HFRollout:
             cur_ids = token.unsqueeze(-1)
             cur_pos = cur_pos[..., -1:] + 1  # a prompt ends in text: the next token is one further on every axis
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)
-        results = []
-        for i, (req, k) in enumerate(items):
-            n = int(lengths[i])
-            results.append(GenerationResult(
-                prompt_ids=prompts[i], response_ids=out_tokens[i, :n].tolist(),
-                log_probs=out_logp[i, :n].tolist() if params.logprobs else [],
-                finish_reason="stop" if bool(stopped[i]) else "length", request_id=req.request_id, sample_index=k))
-        return results
+        return self._results(items, prompts, out_tokens, out_logp, lengths, stopped, params)
 
     async def agenerate(self, request: GenerationRequest) -> list[GenerationResult]:
         """``generate([request])`` in a worker thread (no native async engine: prefer ``BatchingClient``)."""
