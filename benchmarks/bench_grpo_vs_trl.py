@@ -2,8 +2,12 @@
 
 Both sides train the same random-init model (``tiny`` and ``small`` from
 ``polyrl.models.tiny``) with the same tokenizer, prompts, samples per prompt,
-completion length, batch, learning rate and precision (float32), on this machine's
+completion length, batch, learning rate and precision, on this machine's
 CPU, for ``--steps`` GRPO steps after ``--warmup`` steps that are not timed.
+Precision (``--precision``, each in turn): ``float32``, or ``bfloat16``, bf16 compute over
+float32 weights on both sides (TRL's ``bf16=True``; polyrl's ``actor.fsdp.param_dtype=bfloat16``
+and ``rollout.dtype=bfloat16``, verl's defaults); with both, the last lines put each side's
+fastest precision against the other's.
 Workloads: ``short`` (synthetic arithmetic, ~9-token prompts) and ``long`` (the same
 questions after a fixed few-shot preamble, 200-token prompts, as in GSM8K-style prompting).
 
@@ -22,7 +26,7 @@ TRL is the baseline, not a polyrl dependency: install it beside the venv without
 ``pip install --no-deps --target /tmp/trl trl`` and ``PYTHONPATH=/tmp/trl``.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_grpo_vs_trl.py [--sizes tiny small] \\
-        [--workloads short long] [--warmup 2] [--steps 5] [--workers 2 1]
+        [--workloads short long] [--warmup 2] [--steps 5] [--workers 2 1] [--precision float32 bfloat16]
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 PROMPTS_PER_STEP = 8
+#: polyrl's overrides per ``--precision`` (TRL's side: ``bf16=True``).
+PRECISION_ARGS = {"float32": [], "bfloat16": ["actor.fsdp.param_dtype=bfloat16", "rollout.dtype=bfloat16"]}
 N = 4
 COMPLETION = 32
 #: The ``long`` workload's system message: worked examples ahead of every question.
@@ -58,19 +64,22 @@ def make_rows(workload: str) -> list[dict]:
     return rows
 
 
-def run_trl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, procs: int) -> dict:
+def run_trl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, procs: int,
+            precision: str = "float32") -> dict:
     """TRL's GRPOTrainer under ``torchrun --nproc_per_node procs`` (gloo DDP on CPU); rank 0's timings."""
     out.mkdir(parents=True, exist_ok=True)
     result = out / "trl.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", __file__,
-           "--trl-child", json.dumps([str(model_dir), str(data), warmup, steps, str(out), str(result)])]
+           "--trl-child", json.dumps([str(model_dir), str(data), warmup, steps, str(out), str(result), precision])]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
     return json.loads(result.read_text())
 
 
-def trl_child(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, result: Path) -> None:
+def trl_child(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, result: Path,
+              precision: str = "float32") -> None:
     """One torchrun process of TRL's GRPOTrainer (use_vllm=False): each process generates and trains
-    ``1/world`` of the batch; rank 0 writes completion tokens, step seconds and generation seconds."""
+    ``1/world`` of the batch; rank 0 writes completion tokens, step seconds and generation seconds.
+    ``precision="bfloat16"``: TRL's ``bf16=True`` (accelerate's CPU autocast over float32 weights)."""
     import torch
     import transformers.generation.utils as generation
     from datasets import Dataset
@@ -115,7 +124,7 @@ def trl_child(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, r
         output_dir=str(out), per_device_train_batch_size=PROMPTS_PER_STEP * N // world, num_generations=N,
         ddp_backend="gloo" if world > 1 else None,
         gradient_accumulation_steps=1, max_completion_length=COMPLETION, max_steps=warmup + steps,
-        learning_rate=1e-4, logging_steps=1, report_to="none", use_cpu=True, bf16=False, fp16=False,
+        learning_rate=1e-4, logging_steps=1, report_to="none", use_cpu=True, bf16=precision == "bfloat16", fp16=False,
         save_strategy="no", temperature=1.0, beta=0.0, dataloader_num_workers=0, use_vllm=False,
         # TRL turns activation checkpointing on by default; off here, like polyrl's default (faster)
         gradient_checkpointing=False,
@@ -138,8 +147,10 @@ def trl_child(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, r
 
 
 def run_polyrl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, workers: int,
-               extra: list[str]) -> dict:
-    """`polyrl train` (FSDP engine, hf rollout) with the same batch; step time from its metrics."""
+               extra: list[str], precision: str = "float32") -> dict:
+    """`polyrl train` (FSDP engine, hf rollout) with the same batch; step time from its metrics.
+    ``precision="bfloat16"``: verl's mixed precision (bf16 compute over float32 weights,
+    ``actor.fsdp.param_dtype``) and a bf16 rollout copy (``rollout.dtype``)."""
     manifest = out / "polyrl.toml"
     out.mkdir(parents=True, exist_ok=True)
     manifest.write_text('[plugins]\nrequire = ["polyrl-engine-fsdp>=0.1,<0.2"]\n')
@@ -152,7 +163,7 @@ def run_polyrl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, 
         "actor.fsdp.fsdp_size=1",
         "actor.optim.lr=1e-4", f"rollout.n={N}", f"rollout.max_batch_size={PROMPTS_PER_STEP * N}",
         f"trainer.total_steps={warmup + steps}", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
-        f"trainer.run_dir={out / 'run'}", *executor, *extra,
+        f"trainer.run_dir={out / 'run'}", *executor, *PRECISION_ARGS[precision], *extra,
     ]
     subprocess.run([sys.executable, "-m", "polyrl", "train", "--manifest", str(manifest), *overrides], check=True,
                    stdout=subprocess.DEVNULL)
@@ -165,14 +176,15 @@ def run_polyrl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, 
             "phases": {k: v for k, v in phases.items() if v >= 0.005}}
 
 
-def machine_limits() -> dict[str, float]:
-    """One core's measured limits: wide and skinny float32 matmul FLOP/s and memory bandwidth (bytes/s)."""
+def machine_limits(precision: str = "float32") -> dict[str, float]:
+    """One core's measured limits: wide and skinny matmul FLOP/s in ``precision`` and memory bandwidth (bytes/s)."""
     import torch
 
     torch.set_num_threads(1)
+    dtype = getattr(torch, precision)
 
     def flops(m: int, k: int, n: int, reps: int) -> float:
-        a, b = torch.randn(m, k), torch.randn(k, n)
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         a @ b
         start = time.perf_counter()
         for _ in range(reps):
@@ -190,7 +202,8 @@ def machine_limits() -> dict[str, float]:
             "bandwidth": bandwidth}
 
 
-def phase_floors(params: int, prompt_tokens: int, completion: float, cores: int, limits: dict) -> dict[str, float]:
+def phase_floors(params: int, prompt_tokens: int, completion: float, cores: int, limits: dict,
+                 weight_bytes: int = 4) -> dict[str, float]:
     """The least seconds per step this machine needs, with ``cores`` cores, for each phase of the workload.
 
     update: 6 x params x tokens (forward + backward) of every sample, at wide-matmul FLOP/s (the old-log-prob
@@ -200,7 +213,7 @@ def phase_floors(params: int, prompt_tokens: int, completion: float, cores: int,
     """
     rows = PROMPTS_PER_STEP * N
     update = 6 * params * rows * (prompt_tokens + completion) / (cores * limits["matmul_flops"])
-    per_step = max(params * 4 / limits["bandwidth"], 2 * params * rows / cores / limits["skinny_flops"])
+    per_step = max(params * weight_bytes / limits["bandwidth"], 2 * params * rows / cores / limits["skinny_flops"])
     prefill = 2 * params * rows * prompt_tokens / (cores * limits["matmul_flops"])
     return {"gen": completion * per_step + prefill, "rest": update}
 
@@ -229,8 +242,8 @@ def fractions(result: dict, split: dict[str, float], floor: dict[str, float], up
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--trl-child":
-        model_dir, data, warmup, steps, out, result = json.loads(sys.argv[2])
-        trl_child(Path(model_dir), Path(data), warmup, steps, Path(out), Path(result))
+        model_dir, data, warmup, steps, out, result, precision = json.loads(sys.argv[2])
+        trl_child(Path(model_dir), Path(data), warmup, steps, Path(out), Path(result), precision)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
@@ -240,15 +253,21 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 1],
                         help="cores per side: polyrl workers (1 = local executor) and TRL torchrun processes")
     parser.add_argument("--polyrl-args", nargs="*", default=[], help="extra `polyrl train` overrides (key=value)")
+    parser.add_argument("--precision", nargs="+", default=["float32"], choices=sorted(PRECISION_ARGS),
+                        help="both sides, each in turn: float32, or bf16 compute over float32 weights (TRL's "
+                             "bf16=True; polyrl's actor.fsdp.param_dtype=bfloat16 with a bf16 rollout, verl's "
+                             "defaults); with several, also each side's best against the other's best")
     args = parser.parse_args()
     from safetensors import safe_open
 
     from polyrl.data.synthetic import write_jsonl
     from polyrl.models.tiny import make_tiny_model
 
-    limits = machine_limits()
-    print(f"one core: matmul {limits['matmul_flops'] / 1e9:.1f} GFLOP/s (1024^3), skinny {limits['skinny_flops'] / 1e9:.1f} "
-          f"GFLOP/s (16x512x1536), memory {limits['bandwidth'] / 1e9:.1f} GB/s", flush=True)
+    all_limits = {p: machine_limits(p) for p in args.precision}
+    for precision, limits in all_limits.items():
+        print(f"{precision}, one core: matmul {limits['matmul_flops'] / 1e9:.1f} GFLOP/s (1024^3), skinny "
+              f"{limits['skinny_flops'] / 1e9:.1f} GFLOP/s (16x512x1536), memory {limits['bandwidth'] / 1e9:.1f} GB/s",
+              flush=True)
     root = Path(tempfile.mkdtemp(prefix="bench-trl-"))
     report = []
     for workload in args.workloads:
@@ -261,24 +280,27 @@ def main() -> None:
             with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
                 params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
             tag = f"{workload}-{size}"
-            for cores in args.workers:
-                trl = run_trl(model_dir, data, args.warmup, args.steps, root / f"trl-{tag}-{cores}", cores)
+            for cores, precision in ((c, p) for c in args.workers for p in args.precision):
+                limits, run = all_limits[precision], f"{tag}-{cores}-{precision}"
+                trl = run_trl(model_dir, data, args.warmup, args.steps, root / f"trl-{run}", cores, precision)
                 trl["steps"] = args.steps
-                ours = run_polyrl(model_dir, data, args.warmup, args.steps, root / f"polyrl-{tag}-{cores}", cores,
-                                  args.polyrl_args)
+                ours = run_polyrl(model_dir, data, args.warmup, args.steps, root / f"polyrl-{run}", cores,
+                                  args.polyrl_args, precision)
                 ours["steps"] = args.steps
                 completion = trl.get("mean_length", COMPLETION)
-                floor = phase_floors(params, prompt_tokens, completion, cores, limits)
+                floor = phase_floors(params, prompt_tokens, completion, cores, limits,
+                                     2 if precision == "bfloat16" else 4)
                 t_rate, p_rate = trl["tokens"] / trl["seconds"], ours["tokens"] / ours["seconds"]
                 tp, pp = _split(trl), _split(ours)
                 # the update alone: 6 x params x tokens (the ``rest`` floor; the old-log-prob pass is not in it)
                 update_floor = {"update": floor["rest"]}
                 frac = {"trl": fractions(trl, tp, floor, update_floor), "polyrl": fractions(ours, pp, floor, update_floor)}
-                row = {"workload": workload, "size": size, "params": params, "cores": cores, "trl_tok_s": t_rate,
+                row = {"workload": workload, "size": size, "params": params, "cores": cores,
+                       "precision": precision, "trl_tok_s": t_rate,
                        "polyrl_tok_s": p_rate, "ratio": p_rate / t_rate, "trl_s": tp, "polyrl_s": pp, "floor_s": floor,
                        "polyrl_phases": ours["phases"], "fractions": frac}
                 report.append(row)
-                print(f"{workload:5} {size:5} {params / 1e6:5.1f}M {cores} core(s): TRL {t_rate:8.1f} tok/s, polyrl "
+                print(f"{workload:5} {size:5} {params / 1e6:5.1f}M {cores} core(s) {precision}: TRL {t_rate:8.1f} tok/s, polyrl "
                       f"{p_rate:8.1f} tok/s, ratio {p_rate / t_rate:.2f}x", flush=True)
                 for phase in ("gen", "rest"):
                     print(f"    {phase:4} s/step: TRL {tp[phase]:.3f} polyrl {pp[phase]:.3f} (ratio "
@@ -290,7 +312,26 @@ def main() -> None:
                     print(f"    {side:6} decoding at {f['decode_of_roofline']:.0%} of its roofline, update at "
                           f"{f['update_of_matmul']:.0%} of the matmul limit, weight sync {f['weight_sync_of_step']:.1%} "
                           "of a step", flush=True)
-    print(json.dumps({"limits": limits, "rows": report}), flush=True)
+    best = best_of_each(report) if len(args.precision) > 1 else []
+    for b in best:
+        print(f"best of each: {b['workload']:5} {b['size']:5} {b['cores']} core(s): TRL {b['trl_tok_s']:.1f} tok/s "
+              f"({b['trl_precision']}), polyrl {b['polyrl_tok_s']:.1f} tok/s ({b['polyrl_precision']}), ratio "
+              f"{b['ratio']:.2f}x", flush=True)
+    print(json.dumps({"limits": all_limits, "rows": report, "best": best}), flush=True)
+
+
+def best_of_each(rows: list[dict]) -> list[dict]:
+    """Per workload, size and core count: each side at its fastest precision, and the ratio of the two."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["workload"], r["size"], r["cores"]), []).append(r)
+    out = []
+    for (workload, size, cores), rs in groups.items():
+        t, p = max(rs, key=lambda r: r["trl_tok_s"]), max(rs, key=lambda r: r["polyrl_tok_s"])
+        out.append({"workload": workload, "size": size, "cores": cores, "trl_tok_s": t["trl_tok_s"],
+                    "trl_precision": t["precision"], "polyrl_tok_s": p["polyrl_tok_s"],
+                    "polyrl_precision": p["precision"], "ratio": p["polyrl_tok_s"] / t["trl_tok_s"]})
+    return out
 
 
 def _numel(shape: list[int]) -> int:

@@ -401,6 +401,39 @@ def test_bf16_mixed_precision_trains(model_dir):
     assert all(p.dtype == torch.float32 for p in engine.module.parameters())  # storage stays model.dtype
 
 
+def _long_prompt_batch(prompt_tokens: int, rows: int = 4):
+    from polyrl.agent_loops import collate
+    from polyrl.protocols import AgentLoopOutput
+
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(5, 200, (prompt_tokens,), generator=g).tolist()
+    outs = [AgentLoopOutput(prompt_ids=prompt, response_ids=torch.randint(5, 200, (6,), generator=g).tolist(),
+                            response_mask=[1] * 6) for _ in range(rows)]
+    b = collate(outs, pad_token_id=0, max_prompt_length=prompt_tokens, max_response_length=6)
+    b["advantages"] = torch.randn(rows, 1, generator=g).expand(rows, 6).contiguous()
+    b["old_log_probs"] = torch.zeros(rows, 6)
+    return b
+
+
+def test_bf16_on_whole_copies_is_autocast(model_dir):
+    """``fsdp_size=1`` with ``param_dtype=bfloat16``: a whole model per rank (no FSDP wrapping) whose forward runs
+    under autocast, on short sequences (SDPA's math backend) and past ``_MATH_SDPA_MAX_TOKENS`` (its flash
+    backend): log-probs and the gradient norm close to float32's but not equal, weights kept in float32."""
+    from polyrl_engine_fsdp.config import FSDPConfig
+    from polyrl_engine_fsdp.engine import _MATH_SDPA_MAX_TOKENS
+
+    for b in (batch(seed=8, rows=8, group=4), _long_prompt_batch(_MATH_SDPA_MAX_TOKENS + 20)):
+        mixed = make_engine(str(model_dir), plugin_config=FSDPConfig(fsdp_size=1, param_dtype="bfloat16"))
+        full = make_engine(str(model_dir), plugin_config=FSDPConfig(fsdp_size=1))
+        assert mixed.replicated and not any("FSDP" in type(m).__name__ for m in mixed.module.modules())
+        low, exact = mixed.infer_batch(b)["log_probs"], full.infer_batch(b)["log_probs"]
+        assert not torch.equal(low, exact) and torch.allclose(low, exact, atol=0.1)
+        m_low, m_exact = mixed.train_batch(b, loss_fn), full.train_batch(b, loss_fn)
+        assert m_low["actor/grad_norm"] == pytest.approx(m_exact["actor/grad_norm"], rel=0.1)
+        assert all(p.dtype == torch.float32 for p in mixed.module.parameters())
+        assert not torch.allclose(low, mixed.infer_batch(b)["log_probs"])  # it trained
+
+
 def test_warmup_and_cosine_schedule(model_dir):
     from polyrl.config.roles import OptimConfig
 

@@ -184,3 +184,36 @@ def test_sampling_follows_the_filtered_distribution(top_k, top_p):
     assert freq[~keep].sum() == 0
     assert torch.allclose(freq, expected.double(), atol=4 * (0.25 / rows) ** 0.5)  # 4 standard deviations at most
     assert torch.allclose(logp, torch.log_softmax(scaled, -1)[token])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_bfloat16_joins_layers_and_follows_their_weights(tmp_path_factory, arch):
+    """A bfloat16 rollout (``rollout.dtype``): the decoder multiplies q, k and v (with Qwen2's biases) and gate
+    and up as one matrix each, its log-probs are a float32 forward pass's to bfloat16 rounding, and an in-place
+    write to one of the joined weights (a weight sync) reaches the next batch."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = _model_dir(tmp_path_factory, arch)
+    rollout = HFRollout(RolloutConfig(max_batch_size=32, dtype="bfloat16"), model_path=str(path),
+                        tokenizer=AutoTokenizer.from_pretrained(path))
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=3, ignore_eos=True)
+    results = rollout.generate([GenerationRequest(p, params) for p in PROMPTS])
+    layer = rollout.decoder.layers[0]
+    assert len(layer.qkv.weights) == 1 and len(layer.gate_up.weights) == 1
+    assert layer.qkv.weights[0].dtype == torch.bfloat16
+    assert (layer.qkv.bias[0] is not None) == (arch == "qwen2")
+    for res in results:
+        exact = _forward_logprobs(reference, res.prompt_ids, res.response_ids)
+        assert torch.allclose(torch.tensor(res.log_probs), exact, atol=0.15), (res.log_probs, exact)
+    greedy = GenerationRequest([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+    before = rollout.generate([greedy])[0]
+    name = "model.layers.0.self_attn.v_proj.weight"
+    saved = rollout.model.get_parameter(name).detach().clone()
+    try:
+        rollout.update_weights([(name, saved * -4.0)])
+        after = rollout.generate([greedy])[0]
+    finally:
+        rollout.update_weights([(name, saved)])
+    assert after.log_probs != before.log_probs
+    assert rollout.generate([greedy])[0].log_probs == before.log_probs
