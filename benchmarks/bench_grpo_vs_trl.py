@@ -13,7 +13,8 @@ questions after a fixed few-shot preamble, 200-token prompts, as in GSM8K-style 
 
 Equal cores: for each ``--workers`` count W, polyrl runs W data-parallel workers (1: the ``local``
 executor, one process) and TRL runs under ``torchrun --nproc_per_node W`` (gloo DDP, each process one
-core and 1/W of the batch). Only these equal-core ratios are reported, per phase (generation, and the
+core and 1/W of the batch); with ``--layouts processes threads`` each side also runs as one process of
+W torch threads (polyrl's local executor, TRL without torchrun). Only these equal-core ratios are reported, per phase (generation, and the
 rest of the step: log-probs, loss, backward, optimizer, weight sync), with each phase's distance from this
 machine's limit: the update against measured matmul FLOP/s (6 x parameters x tokens), decoding against
 measured memory bandwidth and skinny-matmul FLOP/s (every decode step reads the weights once and does
@@ -65,13 +66,14 @@ def make_rows(workload: str) -> list[dict]:
 
 
 def run_trl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, procs: int,
-            precision: str = "float32") -> dict:
-    """TRL's GRPOTrainer under ``torchrun --nproc_per_node procs`` (gloo DDP on CPU); rank 0's timings."""
+            precision: str = "float32", threads: int = 1) -> dict:
+    """TRL's GRPOTrainer under ``torchrun --nproc_per_node procs`` (gloo DDP on CPU), ``threads`` torch threads
+    each; rank 0's timings."""
     out.mkdir(parents=True, exist_ok=True)
     result = out / "trl.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", __file__,
            "--trl-child", json.dumps([str(model_dir), str(data), warmup, steps, str(out), str(result), precision])]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
     return json.loads(result.read_text())
 
 
@@ -147,8 +149,9 @@ def trl_child(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, r
 
 
 def run_polyrl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, workers: int,
-               extra: list[str], precision: str = "float32") -> dict:
-    """`polyrl train` (FSDP engine, hf rollout) with the same batch; step time from its metrics.
+               extra: list[str], precision: str = "float32", threads: int = 1) -> dict:
+    """`polyrl train` (FSDP engine, hf rollout) with the same batch, ``threads`` torch threads per worker; step
+    time from its metrics.
     ``precision="bfloat16"``: verl's mixed precision (bf16 compute over float32 weights,
     ``actor.fsdp.param_dtype``) and a bf16 rollout copy (``rollout.dtype``)."""
     manifest = out / "polyrl.toml"
@@ -166,7 +169,7 @@ def run_polyrl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, 
         f"trainer.run_dir={out / 'run'}", *executor, *PRECISION_ARGS[precision], *extra,
     ]
     subprocess.run([sys.executable, "-m", "polyrl", "train", "--manifest", str(manifest), *overrides], check=True,
-                   stdout=subprocess.DEVNULL)
+                   stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "timing/step" in r][warmup:]
     tokens = sum(r["response_length/mean"] * PROMPTS_PER_STEP * N for r in rows)
@@ -252,6 +255,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 1],
                         help="cores per side: polyrl workers (1 = local executor) and TRL torchrun processes")
+    parser.add_argument("--layouts", nargs="+", default=["processes"], choices=["processes", "threads"],
+                        help="how a side uses C cores, each in turn: C processes of one thread (polyrl: C workers, "
+                             "TRL: torchrun) or one process of C threads (polyrl: the local executor)")
     parser.add_argument("--polyrl-args", nargs="*", default=[], help="extra `polyrl train` overrides (key=value)")
     parser.add_argument("--precision", nargs="+", default=["float32"], choices=sorted(PRECISION_ARGS),
                         help="both sides, each in turn: float32, or bf16 compute over float32 weights (TRL's "
@@ -280,12 +286,15 @@ def main() -> None:
             with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
                 params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
             tag = f"{workload}-{size}"
-            for cores, precision in ((c, p) for c in args.workers for p in args.precision):
-                limits, run = all_limits[precision], f"{tag}-{cores}-{precision}"
-                trl = run_trl(model_dir, data, args.warmup, args.steps, root / f"trl-{run}", cores, precision)
+            settings = [(c, lay, p) for c in args.workers for lay in args.layouts for p in args.precision
+                        if c > 1 or lay == args.layouts[0]]  # one core: the layouts are the same
+            for cores, layout, precision in settings:
+                limits, run = all_limits[precision], f"{tag}-{cores}-{layout}-{precision}"
+                procs, threads = (cores, 1) if layout == "processes" else (1, cores)
+                trl = run_trl(model_dir, data, args.warmup, args.steps, root / f"trl-{run}", procs, precision, threads)
                 trl["steps"] = args.steps
-                ours = run_polyrl(model_dir, data, args.warmup, args.steps, root / f"polyrl-{run}", cores,
-                                  args.polyrl_args, precision)
+                ours = run_polyrl(model_dir, data, args.warmup, args.steps, root / f"polyrl-{run}", procs,
+                                  args.polyrl_args, precision, threads)
                 ours["steps"] = args.steps
                 completion = trl.get("mean_length", COMPLETION)
                 floor = phase_floors(params, prompt_tokens, completion, cores, limits,
@@ -296,11 +305,11 @@ def main() -> None:
                 update_floor = {"update": floor["rest"]}
                 frac = {"trl": fractions(trl, tp, floor, update_floor), "polyrl": fractions(ours, pp, floor, update_floor)}
                 row = {"workload": workload, "size": size, "params": params, "cores": cores,
-                       "precision": precision, "trl_tok_s": t_rate,
+                       "layout": layout if cores > 1 else "-", "precision": precision, "trl_tok_s": t_rate,
                        "polyrl_tok_s": p_rate, "ratio": p_rate / t_rate, "trl_s": tp, "polyrl_s": pp, "floor_s": floor,
                        "polyrl_phases": ours["phases"], "fractions": frac}
                 report.append(row)
-                print(f"{workload:5} {size:5} {params / 1e6:5.1f}M {cores} core(s) {precision}: TRL {t_rate:8.1f} tok/s, polyrl "
+                print(f"{workload:5} {size:5} {params / 1e6:5.1f}M {cores} core(s) {row['layout']} {precision}: TRL {t_rate:8.1f} tok/s, polyrl "
                       f"{p_rate:8.1f} tok/s, ratio {p_rate / t_rate:.2f}x", flush=True)
                 for phase in ("gen", "rest"):
                     print(f"    {phase:4} s/step: TRL {tp[phase]:.3f} polyrl {pp[phase]:.3f} (ratio "
@@ -312,16 +321,16 @@ def main() -> None:
                     print(f"    {side:6} decoding at {f['decode_of_roofline']:.0%} of its roofline, update at "
                           f"{f['update_of_matmul']:.0%} of the matmul limit, weight sync {f['weight_sync_of_step']:.1%} "
                           "of a step", flush=True)
-    best = best_of_each(report) if len(args.precision) > 1 else []
+    best = best_of_each(report) if len(args.precision) > 1 or len(args.layouts) > 1 else []
     for b in best:
         print(f"best of each: {b['workload']:5} {b['size']:5} {b['cores']} core(s): TRL {b['trl_tok_s']:.1f} tok/s "
-              f"({b['trl_precision']}), polyrl {b['polyrl_tok_s']:.1f} tok/s ({b['polyrl_precision']}), ratio "
+              f"({b['trl_setting']}), polyrl {b['polyrl_tok_s']:.1f} tok/s ({b['polyrl_setting']}), ratio "
               f"{b['ratio']:.2f}x", flush=True)
     print(json.dumps({"limits": all_limits, "rows": report, "best": best}), flush=True)
 
 
 def best_of_each(rows: list[dict]) -> list[dict]:
-    """Per workload, size and core count: each side at its fastest precision, and the ratio of the two."""
+    """Per workload, size and core count: each side at its fastest layout and precision, and the ratio."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["workload"], r["size"], r["cores"]), []).append(r)
@@ -329,8 +338,8 @@ def best_of_each(rows: list[dict]) -> list[dict]:
     for (workload, size, cores), rs in groups.items():
         t, p = max(rs, key=lambda r: r["trl_tok_s"]), max(rs, key=lambda r: r["polyrl_tok_s"])
         out.append({"workload": workload, "size": size, "cores": cores, "trl_tok_s": t["trl_tok_s"],
-                    "trl_precision": t["precision"], "polyrl_tok_s": p["polyrl_tok_s"],
-                    "polyrl_precision": p["precision"], "ratio": p["polyrl_tok_s"] / t["trl_tok_s"]})
+                    "trl_setting": f"{t['layout']} {t['precision']}", "polyrl_tok_s": p["polyrl_tok_s"],
+                    "polyrl_setting": f"{p['layout']} {p['precision']}", "ratio": p["polyrl_tok_s"] / t["trl_tok_s"]})
     return out
 
 
