@@ -417,15 +417,17 @@ def _long_prompt_batch(prompt_tokens: int, rows: int = 4):
 
 def test_bf16_on_whole_copies_is_autocast(model_dir):
     """``fsdp_size=1`` with ``param_dtype=bfloat16``: a whole model per rank (no FSDP wrapping) whose forward runs
-    under autocast, on short sequences (SDPA's math backend) and past ``_MATH_SDPA_MAX_TOKENS`` (its flash
-    backend): log-probs and the gradient norm close to float32's but not equal, weights kept in float32."""
+    under autocast with its attention in float32 (on a CPU), on short rows and on 150-token shared prompts:
+    log-probs and the gradient norm close to float32's but not equal, weights kept in float32."""
     from polyrl_engine_fsdp.config import FSDPConfig
-    from polyrl_engine_fsdp.engine import _MATH_SDPA_MAX_TOKENS
+    from polyrl_engine_fsdp.engine import FLOAT32_SDPA
 
-    for b in (batch(seed=8, rows=8, group=4), _long_prompt_batch(_MATH_SDPA_MAX_TOKENS + 20)):
+    for b in (batch(seed=8, rows=8, group=4), _long_prompt_batch(150)):
         mixed = make_engine(str(model_dir), plugin_config=FSDPConfig(fsdp_size=1, param_dtype="bfloat16"))
         full = make_engine(str(model_dir), plugin_config=FSDPConfig(fsdp_size=1))
         assert mixed.replicated and not any("FSDP" in type(m).__name__ for m in mixed.module.modules())
+        assert mixed.module.model.config._attn_implementation == FLOAT32_SDPA
+        assert full.module.model.config._attn_implementation == "sdpa"
         low, exact = mixed.infer_batch(b)["log_probs"], full.infer_batch(b)["log_probs"]
         assert not torch.equal(low, exact) and torch.allclose(low, exact, atol=0.1)
         m_low, m_exact = mixed.train_batch(b, loss_fn), full.train_batch(b, loss_fn)

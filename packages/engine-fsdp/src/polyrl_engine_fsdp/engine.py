@@ -411,6 +411,8 @@ class FSDPEngine:
             compute = torch_dtype(self.fsdp.param_dtype, "")
             if compute != dtype:  # mixed precision without FSDP: autocast (fp32 master weights and gradients)
                 self.module.forward = _autocast(self.module.forward, self.device.type, compute)
+                if self.device.type == "cpu" and self.sp is None and self.vision is None:
+                    _float32_attention(model)
             return
         mesh = self._mesh(init_device_mesh, shard_ranks)
         mp = MixedPrecisionPolicy(param_dtype=torch_dtype(self.fsdp.param_dtype, ""),
@@ -1007,32 +1009,49 @@ def _fused_adam_devices() -> set[str]:
         return {"cuda", "cpu"}
 
 
-#: Widest sequence (tokens) for which :func:`_autocast` gives CPU attention SDPA's math backend.
-_MATH_SDPA_MAX_TOKENS = 128
-
-
 def _autocast(forward: Callable[..., Any], device_type: str, dtype: torch.dtype) -> Callable[..., Any]:
     """``forward`` under ``torch.autocast(device_type, dtype)``: the replicated layout's mixed precision (matrix
-    products in ``dtype``; the weights, gradients and optimizer in the storage dtype).
-
-    On CPU, sequences of up to :data:`_MATH_SDPA_MAX_TOKENS` tokens take SDPA's math backend: there the
-    low-precision flash kernel's backward costs more than the whole attention in plain matrix products (one core,
-    the small model, 16 rows of 32 response tokens: a training step 0.51 s against 0.57 s with 9-token prompts,
-    level at 64-128, 1.22 s against 1.10-1.14 s with 200-token prompts, where flash is kept)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    products in ``dtype``; the weights, gradients and optimizer in the storage dtype)."""
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        kernel: Any = contextlib.nullcontext()
-        if device_type == "cpu":
-            ids = [args[0] if args else kwargs.get("input_ids"), kwargs.get("prompt_ids")]
-            width = max((t.shape[-1] for t in ids if isinstance(t, torch.Tensor)), default=0)
-            if width <= _MATH_SDPA_MAX_TOKENS:
-                kernel = sdpa_kernel([SDPBackend.MATH])
-        with torch.autocast(device_type, dtype=dtype), kernel:
+        with torch.autocast(device_type, dtype=dtype):
             return forward(*args, **kwargs)
 
     return run
+
+
+#: The attention :func:`_float32_attention` registers: transformers' ``sdpa`` on float32 queries, keys and values.
+FLOAT32_SDPA = "polyrl_sdpa_float32"
+
+
+def _float32_attention(model: nn.Module) -> bool:
+    """Switch ``model`` (attention ``sdpa``) to :data:`FLOAT32_SDPA`, registered in transformers' attention and
+    mask registries (the documented way to bring an attention of one's own): under autocast the attention's
+    queries, keys and values go up to float32 and its output comes back in theirs. On a CPU the bf16 SDPA kernels'
+    backward costs more than the float32 one plus the casts: a GRPO training step of the small model took 0.74 s
+    against 0.77 s (9-token prompts) and 1.93 s against 2.17 s (200-token prompts), one core, 32 rows.
+    ``False`` where the model does not take an attention from the registry (it keeps its own)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        with torch.autocast(query.device.type, enabled=False):
+            out, weights = sdpa(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+        return out.to(query.dtype), weights
+
+    AttentionInterface.register(FLOAT32_SDPA, attention)
+    AttentionMaskInterface.register(FLOAT32_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    try:
+        model.set_attn_implementation(FLOAT32_SDPA)
+    except (ValueError, AttributeError):
+        return False
+    return getattr(model.config, "_attn_implementation", None) == FLOAT32_SDPA
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
