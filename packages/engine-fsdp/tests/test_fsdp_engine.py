@@ -436,6 +436,35 @@ def test_bf16_on_whole_copies_is_autocast(model_dir):
         assert not torch.allclose(low, mixed.infer_batch(b)["log_probs"])  # it trained
 
 
+@pytest.mark.parametrize("queries,keys,masked", [(6, 6, False), (4, 11, True)])
+def test_grouped_query_attention_is_transformers_sdpa(queries, keys, masked):
+    """The float32 attention's GQA without repeated keys: the same outputs and gradients as transformers' ``sdpa``
+    on the repeated ones, causal (no mask) and with a padding mask over cached keys; ``None`` (the caller falls
+    back) for one query, no mask over cached keys, or an unknown keyword."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from polyrl_engine_fsdp.engine import _grouped_query_attention
+
+    class Attn(torch.nn.Module):
+        num_key_value_groups, is_causal = 3, True
+
+    g = torch.Generator().manual_seed(queries + keys)
+    q, k, v = (torch.randn(2, h, n, 8, generator=g, requires_grad=True) for h, n in ((6, queries), (2, keys), (2, keys)))
+    mask = None
+    if masked:  # causal after the cache, the first two keys of row 1 padding
+        mask = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)[None, None].repeat(2, 1, 1, 1)
+        mask[1, :, :, :2] = False
+    ours = _grouped_query_attention(Attn(), q, k, v, mask, scaling=0.3, use_cache=True, position_ids=None)
+    theirs, _ = sdpa_attention_forward(Attn(), q, k, v, mask, scaling=0.3)
+    assert ours.shape == (2, queries, 6, 8) and torch.allclose(ours, theirs, atol=1e-6)
+    grads = [torch.autograd.grad((out * torch.arange(out.numel()).view_as(out).sin()).sum(), (q, k, v))
+             for out in (ours, theirs)]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads))
+    assert _grouped_query_attention(Attn(), q[:, :, :1], k, v, None) is None
+    assert _grouped_query_attention(Attn(), q[:, :, :3], k[:, :, :5], v[:, :, :5], None) is None
+    assert _grouped_query_attention(Attn(), q, k, v, mask, softcap=30.0) is None
+
+
 def test_warmup_and_cosine_schedule(model_dir):
     from polyrl.config.roles import OptimConfig
 

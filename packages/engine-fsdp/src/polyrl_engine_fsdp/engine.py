@@ -1042,8 +1042,11 @@ def _float32_attention(model: nn.Module) -> bool:
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         with torch.autocast(query.device.type, enabled=False):
-            out, weights = sdpa(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
-        return out.to(query.dtype), weights
+            q, k, v = query.float(), key.float(), value.float()
+            out = _grouped_query_attention(module, q, k, v, attention_mask, **kwargs)
+            if out is None:
+                out, _ = sdpa(module, q, k, v, attention_mask, **kwargs)
+        return out.to(query.dtype), None
 
     AttentionInterface.register(FLOAT32_SDPA, attention)
     AttentionMaskInterface.register(FLOAT32_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
@@ -1052,6 +1055,39 @@ def _float32_attention(model: nn.Module) -> bool:
     except (ValueError, AttributeError):
         return False
     return getattr(model.config, "_attn_implementation", None) == FLOAT32_SDPA
+
+
+#: Keyword arguments a model's attention passes that :func:`_grouped_query_attention` can ignore.
+_HARMLESS_ATTENTION_KWARGS = frozenset({"position_ids", "use_cache", "cache_position"})
+
+
+def _grouped_query_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                             is_causal: bool | None = None, **kwargs: Any) -> torch.Tensor | None:
+    """Attention of several query heads per key/value head (GQA) without repeating the keys and values: the
+    ``g`` query heads of a key/value head are laid end to end as one head of ``g x s`` queries (their mask
+    repeated), which gives what transformers' ``sdpa`` computes on the repeated keys. Saves the repeated copy and
+    its backward's sum (on a CPU, 7% of a training step with 200-token shared prompts). ``[b, s, heads, d]`` like
+    transformers' attentions; ``None`` where it does not apply (no GQA, one query, dropout, a per-head mask, no mask
+    over cached keys, or any other extra), and the caller runs transformers' own."""
+    groups = int(getattr(module, "num_key_value_groups", 1))
+    b, heads, s, d = query.shape
+    t = key.shape[2]
+    extra = [k for k, v in kwargs.items() if v is not None and v is not False and k not in _HARMLESS_ATTENTION_KWARGS]
+    if groups <= 1 or s == 1 or (dropout and module.training) or extra \
+            or (attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[1] != 1)):
+        return None
+    mask = attention_mask
+    if mask is None and (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+        if s != t:  # transformers leaves the mask out only when queries and keys are the same positions
+            return None
+        mask = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()[None, None]
+    if mask is not None:
+        mask = mask[:, :, :, :t]
+        mask = mask[:, :, None].expand(mask.shape[0], 1, groups, s, t).reshape(mask.shape[0], 1, groups * s, t)
+    out = F.scaled_dot_product_attention(query.reshape(b, heads // groups, groups * s, d), key, value,
+                                         attn_mask=mask, scale=scaling)
+    return out.reshape(b, heads, s, d).transpose(1, 2).contiguous()
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
