@@ -14,9 +14,10 @@ questions after a fixed few-shot preamble, 200-token prompts, as in GSM8K-style 
 Equal cores: for each ``--workers`` count W, polyrl runs W data-parallel workers (1: the ``local``
 executor, one process) and TRL runs under ``torchrun --nproc_per_node W`` (gloo DDP, each process one
 core and 1/W of the batch); with ``--layouts processes threads`` each side also runs as one process of
-W torch threads (polyrl's local executor, TRL without torchrun). Only these equal-core ratios are reported, per phase (generation, and the
-rest of the step: log-probs, loss, backward, optimizer, weight sync), with each phase's distance from this
-machine's limit: the update against measured matmul FLOP/s (6 x parameters x tokens), decoding against
+W torch threads (polyrl's local executor, TRL without torchrun). Only these equal-core ratios are
+reported, per phase (generation, and the rest of the step: log-probs, loss, backward, optimizer, weight
+sync), with each phase's distance from this machine's limit: the update against measured matmul FLOP/s
+(6 x parameters x tokens), decoding against
 measured memory bandwidth and skinny-matmul FLOP/s (every decode step reads the weights once and does
 2 x parameters x batch FLOPs). Per side it then prints decoding's fraction of its roofline, the update's
 fraction of the matmul limit (polyrl: the ``update_actor`` phase; TRL: its step outside ``generate``) and
@@ -27,7 +28,8 @@ TRL is the baseline, not a polyrl dependency: install it beside the venv without
 ``pip install --no-deps --target /tmp/trl trl`` and ``PYTHONPATH=/tmp/trl``.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_grpo_vs_trl.py [--sizes tiny small] \\
-        [--workloads short long] [--warmup 2] [--steps 5] [--workers 2 1] [--precision float32 bfloat16]
+        [--workloads short long] [--warmup 2] [--steps 5] [--workers 2 1] [--precision float32 bfloat16] \\
+        [--layouts processes threads]
 """
 
 from __future__ import annotations

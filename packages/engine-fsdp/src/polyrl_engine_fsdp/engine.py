@@ -1030,7 +1030,7 @@ def _float32_attention(model: nn.Module) -> bool:
     mask registries (the documented way to bring an attention of one's own): under autocast the attention's
     queries, keys and values go up to float32 and its output comes back in theirs. On a CPU the bf16 SDPA kernels'
     backward costs more than the float32 one plus the casts: a GRPO training step of the small model took 0.74 s
-    against 0.77 s (9-token prompts) and 1.93 s against 2.17 s (200-token prompts), one core, 32 rows.
+    against 0.77 s (9-token prompts) and 1.88-1.93 s against 2.17 s (200-token prompts), one core, 32 rows.
     ``False`` where the model does not take an attention from the registry (it keeps its own)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
