@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -329,6 +330,7 @@ def main() -> None:
               f"({b['trl_setting']}), polyrl {b['polyrl_tok_s']:.1f} tok/s ({b['polyrl_setting']}), ratio "
               f"{b['ratio']:.2f}x", flush=True)
     print(json.dumps({"limits": all_limits, "rows": report, "best": best}), flush=True)
+    shutil.rmtree(root, ignore_errors=True)  # the runs' checkpoints: about 1 GB per configuration
 
 
 def best_of_each(rows: list[dict]) -> list[dict]:
