@@ -49,10 +49,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 PROMPTS_PER_STEP = 8
-#: polyrl's overrides per ``--precision`` (TRL's side: ``bf16=True``).
-PRECISION_ARGS = {"float32": [], "bfloat16": ["actor.fsdp.param_dtype=bfloat16", "rollout.dtype=bfloat16"]}
 N = 4
 COMPLETION = 32
+#: polyrl's overrides per ``--precision`` (TRL's side: ``bf16=True``).
+PRECISION_ARGS = {"float32": [], "bfloat16": ["actor.fsdp.param_dtype=bfloat16", "rollout.dtype=bfloat16"]}
 #: The ``long`` workload's system message: worked examples ahead of every question.
 PREAMBLE = ("Answer with the number only. Examples: 12+7=19. 40-15=25. 8+8=16. 91-19=72. 33+44=77. "
             "60-7=53. 25+25=50. 99-98=1. 14+68=82. 70-35=35. 5+94=99. 81-27=54. 47+12=59. 66-60=6. "

@@ -130,19 +130,24 @@ def test_finished_rows_dropped_or_kept_give_the_same_greedy_responses(arch_rollo
                               _forward_logprobs(reference, res.prompt_ids, ids), atol=1e-4)
 
 
-def test_weight_updates_reach_the_decoder(arch_rollout):
-    _, rollout, _, _ = arch_rollout
+def _greedy_around_a_weight_sync(rollout, name: str, scale: float):
+    """A greedy response before, during and after a weight sync that scales parameter ``name`` (then restores it)."""
     req = GenerationRequest([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
     before = rollout.generate([req])[0]
-    name = "model.norm.weight"
     saved = rollout.model.get_parameter(name).detach().clone()
     try:
-        rollout.update_weights([(name, saved * -3.0)])
-        after = rollout.generate([req])[0]
+        rollout.update_weights([(name, saved * scale)])
+        during = rollout.generate([req])[0]
     finally:
         rollout.update_weights([(name, saved)])
+    return before, during, rollout.generate([req])[0]
+
+
+def test_weight_updates_reach_the_decoder(arch_rollout):
+    _, rollout, _, _ = arch_rollout
+    before, after, restored = _greedy_around_a_weight_sync(rollout, "model.norm.weight", -3.0)
     assert after.log_probs != before.log_probs
-    assert rollout.generate([req])[0].response_ids == before.response_ids
+    assert restored.response_ids == before.response_ids
 
 
 def test_a_mixture_of_experts_keeps_transformers_forward(tmp_path, tiny_tokenizer, caplog):
@@ -206,14 +211,6 @@ def test_bfloat16_joins_layers_and_follows_their_weights(tmp_path_factory, arch)
     for res in results:
         exact = _forward_logprobs(reference, res.prompt_ids, res.response_ids)
         assert torch.allclose(torch.tensor(res.log_probs), exact, atol=0.15), (res.log_probs, exact)
-    greedy = GenerationRequest([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
-    before = rollout.generate([greedy])[0]
-    name = "model.layers.0.self_attn.v_proj.weight"
-    saved = rollout.model.get_parameter(name).detach().clone()
-    try:
-        rollout.update_weights([(name, saved * -4.0)])
-        after = rollout.generate([greedy])[0]
-    finally:
-        rollout.update_weights([(name, saved)])
+    before, after, restored = _greedy_around_a_weight_sync(rollout, "model.layers.0.self_attn.v_proj.weight", -4.0)
     assert after.log_probs != before.log_probs
-    assert rollout.generate([greedy])[0].log_probs == before.log_probs
+    assert restored.log_probs == before.log_probs
