@@ -147,6 +147,33 @@ def test_shared_prompt_log_probs_and_values_match_transformers(model_dir):
     assert torch.allclose(values[True], values[False], atol=1e-5)
 
 
+@pytest.mark.parametrize("order", ["grouped", "interleaved"])
+def test_shared_prompt_rows_in_any_order_train_like_whole_rows(model_dir, order):
+    """Rows that come in whole groups in prompt order get their prompt's keys and values broadcast (its backward a
+    sum per group); rows in any other order gather them. Either way one update moves every weight as running each
+    row whole does, and the prompts are numbered in the order they first come."""
+    from polyrl_engine_fsdp.config import FSDPConfig
+    from polyrl_engine_fsdp.engine import _model_inputs, _trim
+
+    b = batch(seed=11, rows=8, group=4)
+    if order == "interleaved":
+        b = b[torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])]
+    inputs = _model_inputs(_trim(b), packed=False, shared_prompt=True)
+    expected = [0, 0, 0, 0, 1, 1, 1, 1] if order == "grouped" else [0, 1, 0, 1, 0, 1, 0, 1]
+    assert inputs["prompt_of_row"].tolist() == expected
+    weights = {}
+    for share in (True, False, None):  # None: the weights before the update
+        engine = make_engine(str(model_dir), micro_batch_size=8,
+                             plugin_config=FSDPConfig(shared_prompt=bool(share), shared_prompt_min_tokens=0))
+        if share is not None:
+            engine.train_batch(b, loss_fn)
+        weights[share] = {k: v.detach().clone() for k, v in engine.module.named_parameters()}
+    moved = [name for name, w in weights[False].items() if not torch.equal(w, weights[None][name])]
+    assert len(moved) > len(weights[None]) // 2
+    for name, w in weights[False].items():
+        assert torch.allclose(w, weights[True][name], atol=1e-6), name
+
+
 def test_shared_prompt_form_only_where_it_skips_enough_prompt_tokens(model_dir):
     """A micro-batch takes the shared-prompt form (two backbone passes) only when it skips at least
     ``fsdp.shared_prompt_min_tokens`` prompt tokens; the log-probs are the same either way."""

@@ -214,3 +214,40 @@ def test_bfloat16_joins_layers_and_follows_their_weights(tmp_path_factory, arch)
     before, after, restored = _greedy_around_a_weight_sync(rollout, "model.layers.0.self_attn.v_proj.weight", -4.0)
     assert after.log_probs != before.log_probs
     assert restored.log_probs == before.log_probs
+
+
+def test_bfloat16_products_are_the_layers_products(tmp_path_factory):
+    """Every product the bf16 decoder makes (q/k/v and gate/up joined; prepacked in oneDNN's layout where this CPU
+    has bf16 kernels) is ``F.linear`` of the model's own layers, for 1 to 40 rows, and still is after an in-place
+    write to a weight (a weight sync)."""
+    import torch.nn.functional as F
+    from transformers import AutoTokenizer
+
+    from polyrl.rollout import decode
+
+    path = _model_dir(tmp_path_factory, "qwen2")
+    rollout = HFRollout(RolloutConfig(max_batch_size=8, dtype="bfloat16"), model_path=str(path),
+                        tokenizer=AutoTokenizer.from_pretrained(path))
+    model, decoder = rollout.model, rollout.decoder
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    layer = decoder.layers[1]
+    pairs = [(layer.qkv, (attn.q_proj, attn.k_proj, attn.v_proj)), (layer.o, (attn.o_proj,)),
+             (layer.gate_up, (mlp.gate_proj, mlp.up_proj)), (layer.down, (mlp.down_proj,)),
+             (decoder.lm_head, (model.lm_head,))]
+    gen = torch.Generator().manual_seed(0)
+
+    def check() -> None:
+        for linear, modules in pairs:
+            linear.refresh()
+            assert linear.packed == decode._packs(modules[0].weight)
+            for rows in (1, 7, 40):
+                x = torch.randn(rows, modules[0].in_features, generator=gen).to(torch.bfloat16)
+                for got, module in zip(linear.split(x), modules, strict=True):
+                    want = F.linear(x, module.weight, module.bias)
+                    assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), (module, rows)
+
+    check()
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(-3.0)
+        mlp.down_proj.weight.add_(0.5)
+    check()

@@ -117,7 +117,7 @@ class _Head(nn.Module):
                 "inputs_embeds": embed_with_images(backbone, prompt_ids, images, image_mask)}
             prefix = backbone(attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True,
                               **cached, **text)
-            cache.reorder_cache(prompt_of_row)  # index_select: gradients of every row flow back to its prompt
+            _rows_of_prompts(cache, prompt_of_row)  # gradients of every row flow back to its prompt
             rest = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             use_cache=True, **cached).last_hidden_state
             hidden = torch.cat([prefix.last_hidden_state[prompt_of_row, -1:], rest[:, :-1]], dim=1)
@@ -155,6 +155,24 @@ class _Head(nn.Module):
         for key in extra:
             out[key] = torch.cat(parts[key]).clone()
         return out if sp_gather is None else {k: sp_gather(v) for k, v in out.items()}
+
+
+def _rows_of_prompts(cache: Any, prompt_of_row: torch.Tensor) -> None:
+    """Turn ``cache``'s per-prompt keys and values (``[U, ...]``) into per-row ones (row ``i`` continues prompt
+    ``prompt_of_row[i]``). Where the rows come in whole groups of ``n`` in prompt order (GRPO's samples, as
+    :func:`_model_inputs` numbers the prompts) each prompt's tensors are broadcast to its rows: the backward sums
+    each group, where the general ``index_select`` gathers and its backward scatters row by row (``scatter_add``,
+    3% of a training step with 200-token prompts on a CPU)."""
+    u, b = int(prompt_of_row.max()) + 1, prompt_of_row.numel()
+    layers = getattr(cache, "layers", None)
+    if b % u or not layers or not all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers) \
+            or not torch.equal(prompt_of_row, torch.arange(u, device=prompt_of_row.device).repeat_interleave(b // u)):
+        cache.reorder_cache(prompt_of_row)
+        return
+    for layer in layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            setattr(layer, name, t[:, None].expand(u, b // u, *t.shape[1:]).reshape(b, *t.shape[1:]))
 
 
 def _chunk_logprob(h, y, weight, bias, temperature: float, compute_entropy: bool,
@@ -1141,6 +1159,9 @@ def _model_inputs(mb: TensorDict, packed: bool, shared_prompt: bool = False,
         if (unique.shape[0] < b or uniform) and bool(valid[:, s - r - 1].all()):
             first = torch.full((unique.shape[0],), b, dtype=torch.long).scatter_reduce(
                 0, prompt_of_row, torch.arange(b), reduce="amin")
+            # number the prompts in the order they first come (a batch of whole groups: 0 0 0 0 1 1 1 1 ...)
+            order = torch.argsort(first)
+            first, prompt_of_row = first[order], torch.argsort(order)[prompt_of_row]
             return {"input_ids": ids[:, s - r :], "attention_mask": attn, "position_ids": pos[:, s - r :],
                     "prompt_ids": ids[first, : s - r], "prompt_mask": attn[first, : s - r],
                     "prompt_positions": pos[first, : s - r], "prompt_of_row": prompt_of_row,
