@@ -444,8 +444,9 @@ def _long_prompt_batch(prompt_tokens: int, rows: int = 4):
 
 def test_bf16_on_whole_copies_is_autocast(model_dir):
     """``fsdp_size=1`` with ``param_dtype=bfloat16``: a whole model per rank (no FSDP wrapping) whose forward runs
-    under autocast with its attention in float32 (on a CPU), on short rows and on 150-token shared prompts:
-    log-probs and the gradient norm close to float32's but not equal, weights kept in float32."""
+    under autocast with its attention in float32 (on a CPU), its residual stream and its norms' outputs in bf16 (as
+    with bf16 weights), on short rows and on 150-token shared prompts: log-probs and the gradient norm close to
+    float32's but not equal, weights kept in float32."""
     from polyrl_engine_fsdp.config import FSDPConfig
     from polyrl_engine_fsdp.engine import FLOAT32_SDPA
 
@@ -455,6 +456,17 @@ def test_bf16_on_whole_copies_is_autocast(model_dir):
         assert mixed.replicated and not any("FSDP" in type(m).__name__ for m in mixed.module.modules())
         assert mixed.module.model.config._attn_implementation == FLOAT32_SDPA
         assert full.module.model.config._attn_implementation == "sdpa"
+        seen: dict[tuple[str, str], torch.dtype] = {}
+        for name, engine in (("mixed", mixed), ("full", full)):
+            layer = engine.module.model.model.layers[0]
+            hooks = [part.register_forward_hook(lambda m, a, out, key=(name, what), seen=seen: seen.update(
+                {key: (out[0] if isinstance(out, tuple) else out).dtype}))
+                for what, part in (("residual", layer), ("norm", layer.input_layernorm))]
+            engine.infer_batch(b)
+            for hook in hooks:
+                hook.remove()
+        assert seen == {("mixed", "residual"): torch.bfloat16, ("mixed", "norm"): torch.bfloat16,
+                        ("full", "residual"): torch.float32, ("full", "norm"): torch.float32}
         low, exact = mixed.infer_batch(b)["log_probs"], full.infer_batch(b)["log_probs"]
         assert not torch.equal(low, exact) and torch.allclose(low, exact, atol=0.1)
         m_low, m_exact = mixed.train_batch(b, loss_fn), full.train_batch(b, loss_fn)

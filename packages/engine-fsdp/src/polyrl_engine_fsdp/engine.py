@@ -429,6 +429,8 @@ class FSDPEngine:
             compute = torch_dtype(self.fsdp.param_dtype, "")
             if compute != dtype:  # mixed precision without FSDP: autocast (fp32 master weights and gradients)
                 self.module.forward = _autocast(self.module.forward, self.device.type, compute)
+                if self.vision is None:
+                    _low_precision_activations(model, compute)
                 if self.device.type == "cpu" and self.sp is None and self.vision is None:
                     _float32_attention(model)
             return
@@ -1039,6 +1041,41 @@ def _autocast(forward: Callable[..., Any], device_type: str, dtype: torch.dtype)
     return run
 
 
+#: Model types whose decoder layers' ``input_layernorm`` and ``post_attention_layernorm`` feed matrix products
+#: only (attention's q/k/v, the MLP's or experts' gate/up, a router): :func:`_low_precision_activations` hands
+#: their outputs on in the compute dtype.
+_NORMS_FEED_PRODUCTS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
+
+
+def _low_precision_activations(model: nn.Module, dtype: torch.dtype) -> None:
+    """Under autocast, hand on activations in ``dtype`` where autocast leaves them in float32:
+
+    - the input embedding's output (an embedding is not a matrix product), so the residual stream between the
+      layers is ``dtype``, as when the weights themselves are ``dtype`` (FSDP2's ``param_dtype``, verl's bf16);
+      with a float32 stream every residual add and norm ran on float32 activations;
+    - the norms before attention and the MLP (:data:`_NORMS_FEED_PRODUCTS`): a float32 weight times the normalised
+      ``dtype`` activation is float32, which autocast then cast to ``dtype`` once per product that reads it (q, k
+      and v: three times; gate and up: twice). The products see the same values; their input gradients are summed
+      in ``dtype`` before the one cast back, as with ``dtype`` weights.
+
+    A GRPO update of the small model on a CPU (two cores, 32 rows): 4.5% faster from the first and 4% more from
+    the second, with 200-token prompts; 3% and 4% with 9-token ones. Does nothing outside autocast."""
+
+    def cast(module: nn.Module, args: Any, output: Any) -> Any:
+        if isinstance(output, torch.Tensor) and output.is_floating_point() \
+                and torch.is_autocast_enabled(output.device.type):
+            return output.to(dtype)
+        return output
+
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    targets = [] if embed is None else [embed]
+    if getattr(getattr(model, "config", None), "model_type", None) in _NORMS_FEED_PRODUCTS:
+        targets += [m for name, m in model.named_modules()
+                    if name.rsplit(".", 1)[-1] in ("input_layernorm", "post_attention_layernorm")]
+    for module in targets:
+        module.register_forward_hook(cast)
+
+
 #: The attention :func:`_float32_attention` registers: transformers' ``sdpa`` on float32 queries, keys and values.
 FLOAT32_SDPA = "polyrl_sdpa_float32"
 
@@ -1155,13 +1192,8 @@ def _model_inputs(mb: TensorDict, packed: bool, shared_prompt: bool = False,
     if shared_prompt and not packed and s > r:
         # distinct (ids, mask) prompt rows; left padding makes column s - r - 1 every prompt's last token
         key = torch.cat([ids[:, : s - r], attn[:, : s - r]], dim=1)
-        unique, prompt_of_row = torch.unique(key, dim=0, return_inverse=True)
-        if (unique.shape[0] < b or uniform) and bool(valid[:, s - r - 1].all()):
-            first = torch.full((unique.shape[0],), b, dtype=torch.long).scatter_reduce(
-                0, prompt_of_row, torch.arange(b), reduce="amin")
-            # number the prompts in the order they first come (a batch of whole groups: 0 0 0 0 1 1 1 1 ...)
-            order = torch.argsort(first)
-            first, prompt_of_row = first[order], torch.argsort(order)[prompt_of_row]
+        first, prompt_of_row = _distinct_rows(key)
+        if (first.shape[0] < b or uniform) and bool(valid[:, s - r - 1].all()):
             return {"input_ids": ids[:, s - r :], "attention_mask": attn, "position_ids": pos[:, s - r :],
                     "prompt_ids": ids[first, : s - r], "prompt_mask": attn[first, : s - r],
                     "prompt_positions": pos[first, : s - r], "prompt_of_row": prompt_of_row,
@@ -1184,6 +1216,17 @@ def _saved_prompt_tokens(mb: TensorDict) -> int:
         return 0
     distinct = torch.unique(torch.cat([ids[:, :p], attn[:, :p]], dim=1), dim=0).shape[0]
     return (b - distinct) * p
+
+
+def _distinct_rows(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct rows of ``key`` ``[b, w]``, numbered in the order they first come (a batch of whole groups:
+    ``0 0 0 0 1 1 1 1 ...``): ``first`` ``[U]``, each one's first row, and ``of_row`` ``[b]``, each row's number."""
+    b = key.shape[0]
+    unique, of_row = torch.unique(key, dim=0, return_inverse=True)
+    first = torch.full((unique.shape[0],), b, dtype=torch.long).scatter_reduce(0, of_row, torch.arange(b),
+                                                                               reduce="amin")
+    order = torch.argsort(first)
+    return first[order], torch.argsort(order)[of_row]
 
 
 def _packs_cleanly(pos: torch.Tensor, valid: torch.Tensor) -> bool:

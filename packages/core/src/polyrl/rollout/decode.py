@@ -12,7 +12,8 @@ updates land without a copy), with:
   max_new_tokens, head_dim]`` per layer) and written in place;
 - attention for one query token as batched products over the kv heads (no repeat of the kv heads), the
   prompt's and the generated tokens' scores in one softmax;
-- the linear layers as ``x @ W.T`` with ``W.T`` kept contiguous (faster for skinny products on CPU);
+- the linear layers as ``x @ W.T`` with ``W.T`` kept contiguous (faster for skinny products on CPU), in bfloat16
+  with oneDNN's prepacked weights where the CPU has bf16 kernels (:class:`_Linear`);
 - a rotary cos/sin table per batch, looked up per step; logits for the last position only.
 
 :func:`supports` says whether a model is one it runs; anything else (mixtures of experts, sliding-window
