@@ -233,6 +233,20 @@ def test_dynamic_micro_batches_give_the_same_gradients(model_dir):
     assert sorted(torch.cat(splits).tolist()) == list(range(8))
 
 
+def test_loss_metrics_read_the_same_in_one_micro_batch_or_four(model_dir):
+    """``actor/entropy`` (a loss term: each micro-batch's loss is its share of the mini-batch's) reads the same
+    whatever ``micro_batch_size`` splits the mini-batch into; averaged as shares it read a quarter of itself."""
+    from polyrl.config.schema import ActorConfig
+    from polyrl.trainer.losses import make_actor_loss
+
+    b = batch(seed=5)
+    loss = make_actor_loss(ActorConfig())
+    whole = make_engine(str(model_dir), micro_batch_size=8).train_batch(b, loss)
+    split = make_engine(str(model_dir), micro_batch_size=2).train_batch(b, loss)
+    assert whole["actor/entropy"] > 1.0  # a random model's next-token entropy: near log(vocabulary)
+    assert split["actor/entropy"] == pytest.approx(whole["actor/entropy"], rel=0.05)
+
+
 def test_lora_merge_reproduces_the_merged_model(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 

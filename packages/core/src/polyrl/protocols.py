@@ -287,7 +287,9 @@ class LossFn(Protocol):
     ``model_output`` holds what the forward pass produced for ``micro_batch``:
     ``log_probs`` and ``entropy`` ``[b, R]`` for a causal LM, ``values`` ``[b, R]``
     for a value model. Returns the micro-batch's share of the mini-batch loss
-    (already normalised with ``scale``) and float metrics.
+    (already normalised with ``scale``) and float metrics, each the micro-batch's
+    own value (a loss term as its own token mean, not its share): the engines
+    average the metrics of a step's micro-batches.
     """
 
     def __call__(

@@ -187,3 +187,23 @@ def test_a_loss_is_adapted_once_at_look_up_to_the_protocols_keywords(polyrl_plug
     adapted(x, x, x, x, "token-mean", {}, rollout_log_probs=x + 1, loss_scale=None, rollout_is_weights=None)
     assert seen[0]["rollout_log_probs"] is None and torch.equal(seen[1]["rollout_log_probs"], x + 1)
     assert get_policy_loss_fn("vanilla") is compute_policy_loss_vanilla  # declares them all: no wrapper
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_loss_metrics_are_each_micro_batchs_own_values_not_their_shares(mode):
+    """The engines average their micro-batches' metrics: a loss term reported as its share of the mini-batch
+    (what the loss returns for the gradient) would read about ``1 / n`` of itself with ``n`` micro-batches."""
+    mbs, logps = _micro_batches(3)
+    g = torch.Generator().manual_seed(7)
+    entropies = [torch.rand(mb["response_mask"].shape, generator=g) for mb in mbs]
+    cfg = ActorConfig(loss_agg_mode=mode)
+    loss_fn = make_actor_loss(cfg)
+    scale = LossScale(dp_size=1, batch_num_tokens=int(sum(mb["response_mask"].sum() for mb in mbs)),
+                      global_batch_size=B)
+    vanilla = get_policy_loss_fn("vanilla")
+    for mb, logp, ent in zip(mbs, logps, entropies, strict=True):
+        loss, metrics = loss_fn({"log_probs": logp, "entropy": ent}, mb, scale)
+        own_pg, _ = vanilla(mb["old_log_probs"], logp, mb["advantages"], mb["response_mask"], mode, cfg)
+        assert metrics["actor/pg_loss"] == pytest.approx(float(own_pg), rel=1e-5)
+        assert float(loss) != pytest.approx(float(own_pg), rel=1e-2)  # the loss is the share, the metric is not
+        assert metrics["actor/entropy"] == pytest.approx(float(agg_loss(ent, mb["response_mask"], mode)), rel=1e-5)

@@ -158,6 +158,7 @@ def _with_mean_kl(base: Any, coef: float, agg_mode: str, form: str = "flow_grpo"
     ``form="flow_grpo"`` divides by ``2 std_dev_t^2`` (Flow-GRPO's, so ``coef`` is its ``beta``), ``"exact"`` by
     twice the transition's variance (the exact KL of the two Gaussian steps)."""
     from polyrl.algorithms import agg_loss
+    from polyrl.trainer.losses import loss_metric
     from polyrl_diffusion.algorithms import flow_grpo_kl
 
     def loss(out: Any, mb: TensorDict, scale: Any) -> tuple[torch.Tensor, dict[str, float]]:
@@ -166,7 +167,7 @@ def _with_mean_kl(base: Any, coef: float, agg_mode: str, form: str = "flow_grpo"
         dt = mb["sigmas"] - mb["next_sigmas"] if form == "exact" and not cps else None
         kl = flow_grpo_kl(out["prev_sample_mean"], mb["ref_prev_sample_mean"], out["std_dev_t"], dt=dt)
         kl_loss = agg_loss(kl, mb["response_mask"], agg_mode, loss_scale=scale)
-        metrics["actor/kl_mean_loss"] = float(kl_loss.detach())
+        metrics["actor/kl_mean_loss"] = loss_metric(kl_loss.detach(), mb["response_mask"], agg_mode, scale)
         return value + coef * kl_loss, metrics
 
     return loss

@@ -32,7 +32,7 @@ from polyrl.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, masked_m
 from polyrl.algorithms.torch_functional import masked_select_zero
 from polyrl.errors import ConfigError
 from polyrl.protocols import ForwardProducts, LossScale
-from polyrl.trainer.losses import VerlActorConfigView, make_actor_loss
+from polyrl.trainer.losses import VerlActorConfigView, loss_metric, make_actor_loss
 from polyrl.trainer.role_worker import Worker
 from polyrl.trainer.roles import RoleSpec
 from polyrl_recipes.base import RecipeTrainer
@@ -163,7 +163,7 @@ def distillation_loss(out: Any, mb: TensorDict, scale: LossScale, options: Disti
         metrics.update({f"distill/{k.rpartition('/')[2]}": float(v) for k, v in pg.items()})
     else:
         loss = agg_loss(per_token, mask, actor_config.loss_agg_mode, loss_scale=scale)
-    metrics["distill/loss"] = float(loss.detach())
+    metrics["distill/loss"] = loss_metric(loss.detach(), mask, actor_config.loss_agg_mode, scale)
     return loss, metrics
 
 

@@ -2,7 +2,8 @@
 
 Each is a :class:`polyrl.protocols.LossFn`: it gets the forward pass's outputs
 for a micro-batch and the mini-batch's global :class:`~polyrl.protocols.LossScale`,
-and returns the micro-batch's share of the loss plus metrics.
+and returns the micro-batch's share of the loss plus metrics (the micro-batch's own
+values, which the engines average: :func:`loss_metric`).
 """
 
 from __future__ import annotations
@@ -104,12 +105,12 @@ def make_actor_loss(cfg: Any, *, on_policy: bool = False) -> Callable[..., tuple
         loss = pg_loss
         # verl's losses name their metrics "actor/..." already; polyrl's are bare
         metrics.update({(k if "/" in k else f"actor/{k}"): _float(v) for k, v in pg_metrics.items()})
-        metrics["actor/pg_loss"] = _float(pg_loss)
+        metrics["actor/pg_loss"] = loss_metric(pg_loss, mask, cfg.loss_agg_mode, scale)
         if on_policy and "rollout_log_probs" in keys:  # the trainer-vs-rollout mismatch, as when recomputed
             metrics["rollout/logprob_diff_mean"] = _float(masked_mean((mb["rollout_log_probs"] - old_log_prob).abs(), mask))
         if "entropy" in out:
             entropy = agg_loss(out["entropy"], mask, cfg.loss_agg_mode, loss_scale=scale)
-            metrics["actor/entropy"] = _float(entropy)
+            metrics["actor/entropy"] = loss_metric(entropy, mask, cfg.loss_agg_mode, scale)
             if cfg.entropy_coeff:
                 loss = loss - cfg.entropy_coeff * entropy
         if cfg.use_kl_loss:
@@ -119,7 +120,7 @@ def make_actor_loss(cfg: Any, *, on_policy: bool = False) -> Callable[..., tuple
                              cfg.kl_loss_type)
             kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, loss_scale=scale)
             loss = loss + cfg.kl_loss_coef * kl_loss
-            metrics["actor/kl_loss"] = _float(kl_loss)
+            metrics["actor/kl_loss"] = loss_metric(kl_loss, mask, cfg.loss_agg_mode, scale)
         return loss, metrics
 
     return actor_loss
@@ -134,7 +135,8 @@ def make_critic_loss(cfg: Any):
             out["values"], mb["returns"], mb["values"], mb["response_mask"], cfg.cliprange_value,
             cfg.loss_agg_mode, loss_scale=scale,
         )
-        return loss, {**{k: _float(v) for k, v in metrics.items()}, "critic/vf_loss": _float(loss)}
+        return loss, {**{k: _float(v) for k, v in metrics.items()},
+                      "critic/vf_loss": loss_metric(loss, mb["response_mask"], cfg.loss_agg_mode, scale)}
 
     return critic_loss
 
@@ -144,7 +146,25 @@ def sft_loss(out: Mapping[str, torch.Tensor], mb: TensorDict, scale: LossScale):
     from polyrl.algorithms import agg_loss
 
     nll = agg_loss(-out["log_probs"], mb["response_mask"], "token-mean", loss_scale=scale)
-    return nll, {"sft/loss": _float(nll)}
+    return nll, {"sft/loss": loss_metric(nll, mb["response_mask"], "token-mean", scale)}
+
+
+def loss_metric(share: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, scale: LossScale | None) -> float:
+    """A loss term as a metric: the micro-batch's own aggregate of it.
+
+    The loss itself is the micro-batch's share of the mini-batch's (normalised by the global counts of
+    ``scale``), so that the gradients of the micro-batches add up; the engines average their micro-batches'
+    metrics, under which a share would read ``1 / n`` of the value with ``n`` micro-batches (the entropy of a
+    run with ``micro_batch_size`` half the mini-batch read half of itself). Dividing by the share of an
+    all-ones term gives the micro-batch's own token mean (or sequence mean) for every linear aggregation."""
+    if scale is None:
+        return _float(share)
+    from polyrl.algorithms import agg_loss
+
+    ones = torch.ones(mask.shape, dtype=torch.float32, device=mask.device)
+    whole = float(agg_loss(ones, mask, loss_agg_mode))  # 0: no response token (a padding micro-batch)
+    part = float(agg_loss(ones, mask, loss_agg_mode, loss_scale=scale)) / whole if whole > 0 else 0.0
+    return _float(share) / part if part > 0 else _float(share)
 
 
 def _float(value: Any) -> float:
