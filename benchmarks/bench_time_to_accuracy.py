@@ -20,14 +20,17 @@ evaluation excluded (process start-up excluded on both sides). The sides alterna
 
 Reported: per seed, both curves as (seconds, accuracy) points; the accuracy TRL reaches after its last step (the
 mean of its last two evaluations, to smooth the sampled validation), and the seconds polyrl takes to first reach
-it; the ratio of those times (target <= 0.5). ``--polyrl-steps`` lets polyrl run past TRL's generation count,
+it; the ratio of those times (target <= 0.5). Then the same read off both sides' curves averaged over the seeds
+(``mean trl`` / ``mean polyrl``), the less noisy number: one seed's final accuracy moves by several points with
+the sampling alone. ``--polyrl-steps`` lets polyrl run past TRL's generation count,
 so that a side a little short of the target at TRL's last step still gets a time (or none: "never").
 
 TRL is the baseline, not a polyrl dependency: ``pip install --no-deps --target /tmp/trl trl==1.16.0`` and
 ``PYTHONPATH=/tmp/trl``.
 
     OMP_NUM_THREADS=1 PYTHONPATH=/tmp/trl .venv/bin/python benchmarks/bench_time_to_accuracy.py \\
-        [--seeds 1 2 3] [--trl-steps 200] [--eval-every 20] [--polyrl-mode sync] [--out DIR]
+        [--seeds 1 2 3] [--trl-steps 200] [--eval-every 20] [--polyrl-mode sync] [--out DIR] \\
+        [--cores 2] [--trl-threads 1] [--polyrl-steps 0] [--polyrl-args KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -74,8 +77,10 @@ def prepare(root: Path) -> Path:
 # ---------------------------------------------------------------------- TRL
 
 
-def run_trl(model: Path, root: Path, out: Path, seed: int, steps: int, every: int, procs: int) -> dict:
-    """TRL's GRPOTrainer under ``torchrun --nproc_per_node procs``; rank 0 writes the curve."""
+def run_trl(model: Path, root: Path, out: Path, seed: int, steps: int, every: int, procs: int,
+            threads: int = 1) -> dict:
+    """TRL's GRPOTrainer under ``torchrun --nproc_per_node procs`` of ``threads`` threads each; rank 0 writes the
+    curve."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -83,7 +88,8 @@ def run_trl(model: Path, root: Path, out: Path, seed: int, steps: int, every: in
     spec = json.dumps([str(model), str(root), str(out), seed, steps, every, str(result)])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", __file__,
            "--trl-child", spec]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
+                   env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
     return json.loads(result.read_text())
 
 
@@ -245,6 +251,8 @@ def main() -> None:
     parser.add_argument("--polyrl-steps", type=int, default=0, help="polyrl steps (0: as many generations as TRL's)")
     parser.add_argument("--eval-every", type=int, default=20, help="TRL steps between evaluations (even)")
     parser.add_argument("--cores", type=int, default=2, help="TRL torchrun processes (polyrl: two workers)")
+    parser.add_argument("--trl-threads", type=int, default=1,
+                        help="threads per TRL process (--cores 1 --trl-threads 2: one process of two threads)")
     parser.add_argument("--polyrl-mode", default="sync", choices=["sync", "one_step_off_policy", "fully_async"])
     parser.add_argument("--polyrl-args", nargs="*", default=[], help="extra `polyrl train` overrides (key=value)")
     parser.add_argument("--sides", nargs="+", default=["trl", "polyrl"], choices=["trl", "polyrl"])
@@ -268,7 +276,7 @@ def main() -> None:
         for side in sides:
             if side == "trl":
                 res["trl"] = run_trl(model, root, root / f"trl-{seed}", seed, args.trl_steps, args.eval_every,
-                                     args.cores)
+                                     args.cores, args.trl_threads)
             else:
                 res["polyrl"] = run_polyrl(model, root, root / f"polyrl-{seed}", seed, polyrl_steps,
                                            args.eval_every // per, args.polyrl_mode, args.polyrl_args)
@@ -290,7 +298,33 @@ def main() -> None:
     if ratios:
         print(f"median time ratio polyrl/TRL: {ratios[len(ratios) // 2]:.2f} over {len(ratios)} seeds "
               f"(of {len(report)})", flush=True)
-    print(json.dumps(report), flush=True)
+    pooled = pooled_curves(report)
+    if pooled is not None:
+        reach = pooled["polyrl_reach_s"]
+        print(f"mean curves over {pooled['seeds']} seeds: TRL after {args.trl_steps} steps {pooled['target']:.3f} in "
+              f"{pooled['trl_s']:.1f}s; polyrl reaches it in "
+              + (f"{reach:.1f}s = {pooled['ratio_vs_trl_end']:.2f}x TRL's time" if reach is not None else "(never)"),
+              flush=True)
+        for side in ("trl", "polyrl"):
+            pts = " ".join(f"({s:.1f}s, {a:.3f})" for _, s, a in pooled[side]["points"])
+            print(f"mean {side:6}: {pts}", flush=True)
+    print(json.dumps({"seeds": report, "pooled": pooled}), flush=True)
+
+
+def pooled_curves(report: list[dict]) -> dict | None:
+    """Both sides' curves averaged over the seeds (accuracy and seconds per evaluation) and the same target and
+    time as per seed, read off the mean curves: one run's final accuracy moves by several points with the sampling
+    alone (TRL at one seed: 0.54 on two processes, 0.43 on one), so a single seed's target is a noisy line."""
+    done = [r for r in report if "trl" in r and "polyrl" in r]
+    if len(done) < 2:
+        return None
+    mean = {}
+    for side in ("trl", "polyrl"):
+        n = min(len(r[side]["points"]) for r in done)
+        mean[side] = {"points": [(done[0][side]["points"][i][0],
+                                  sum(r[side]["points"][i][1] for r in done) / len(done),
+                                  sum(r[side]["points"][i][2] for r in done) / len(done)) for i in range(n)]}
+    return {"seeds": len(done), **mean, **target_and_time(mean["trl"], mean["polyrl"])}
 
 
 if __name__ == "__main__":

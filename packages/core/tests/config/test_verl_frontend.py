@@ -302,7 +302,7 @@ def test_quickstart_verl_config_resolves_to_the_native_one():
     a, b = to_dict(native), to_dict(mapped)
     for key in ("data", "rollout", "algorithm", "reward"):
         assert a[key] == b[key], key
-    for key in ("ppo_mini_batch_size", "micro_batch_size", "optim", "model", "seed", "engine", "plugin_config",
+    for key in ("ppo_mini_batch_size", "micro_batch_size", "shuffle", "optim", "model", "seed", "engine", "plugin_config",
                 "use_kl_loss", "entropy_coeff", "loss_agg_mode"):
         if key == "optim":
             assert {k: v for k, v in a["actor"][key].items() if k != "num_cycles"} == \
