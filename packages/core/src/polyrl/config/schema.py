@@ -96,7 +96,9 @@ class ActorConfig(EngineRoleConfig):
     ppo_mini_batch_size: int = 8
     #: Passes over each step's batch (each pass one optimizer step per mini-batch).
     ppo_epochs: int = 1
-    #: Shuffle the rows before each pass over the batch.
+    #: Shuffle the rows before each pass over the batch, so that each mini-batch takes some samples of every
+    #: prompt instead of whole groups (TRL's GRPOTrainer does; verl's default is off). On the quickstart task it
+    #: learned more per batch (docs/benchmarks.md, "What the learning gap was").
     shuffle: bool = False
     #: ``auto``: skip the separate old-log-prob forward pass when the update is on-policy (one PPO epoch,
     #: one mini-batch per step, no KL in the reward); the update then uses its own detached log-probs as the
