@@ -105,12 +105,13 @@ def make_actor_loss(cfg: Any, *, on_policy: bool = False) -> Callable[..., tuple
         loss = pg_loss
         # verl's losses name their metrics "actor/..." already; polyrl's are bare
         metrics.update({(k if "/" in k else f"actor/{k}"): _float(v) for k, v in pg_metrics.items()})
-        metrics["actor/pg_loss"] = loss_metric(pg_loss, mask, cfg.loss_agg_mode, scale)
+        part = share_fraction(mask, cfg.loss_agg_mode, scale)  # loss terms as this micro-batch's own values
+        metrics["actor/pg_loss"] = _float(pg_loss) / part
         if on_policy and "rollout_log_probs" in keys:  # the trainer-vs-rollout mismatch, as when recomputed
             metrics["rollout/logprob_diff_mean"] = _float(masked_mean((mb["rollout_log_probs"] - old_log_prob).abs(), mask))
         if "entropy" in out:
             entropy = agg_loss(out["entropy"], mask, cfg.loss_agg_mode, loss_scale=scale)
-            metrics["actor/entropy"] = loss_metric(entropy, mask, cfg.loss_agg_mode, scale)
+            metrics["actor/entropy"] = _float(entropy) / part
             if cfg.entropy_coeff:
                 loss = loss - cfg.entropy_coeff * entropy
         if cfg.use_kl_loss:
@@ -120,7 +121,7 @@ def make_actor_loss(cfg: Any, *, on_policy: bool = False) -> Callable[..., tuple
                              cfg.kl_loss_type)
             kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, loss_scale=scale)
             loss = loss + cfg.kl_loss_coef * kl_loss
-            metrics["actor/kl_loss"] = loss_metric(kl_loss, mask, cfg.loss_agg_mode, scale)
+            metrics["actor/kl_loss"] = _float(kl_loss) / part
         return loss, metrics
 
     return actor_loss
@@ -150,21 +151,28 @@ def sft_loss(out: Mapping[str, torch.Tensor], mb: TensorDict, scale: LossScale):
 
 
 def loss_metric(share: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, scale: LossScale | None) -> float:
-    """A loss term as a metric: the micro-batch's own aggregate of it.
+    """A loss term as a metric: the micro-batch's own aggregate of it, ``share`` divided by
+    :func:`share_fraction`.
 
     The loss itself is the micro-batch's share of the mini-batch's (normalised by the global counts of
     ``scale``), so that the gradients of the micro-batches add up; the engines average their micro-batches'
     metrics, under which a share would read ``1 / n`` of the value with ``n`` micro-batches (the entropy of a
-    run with ``micro_batch_size`` half the mini-batch read half of itself). Dividing by the share of an
-    all-ones term gives the micro-batch's own token mean (or sequence mean) for every linear aggregation."""
+    run with ``micro_batch_size`` half the mini-batch read half of itself)."""
+    return _float(share) / share_fraction(mask, loss_agg_mode, scale)
+
+
+def share_fraction(mask: torch.Tensor, loss_agg_mode: str, scale: LossScale | None) -> float:
+    """The fraction of the mini-batch's loss that a micro-batch's ``loss_agg_mode`` aggregate under ``scale``
+    is: the share of an all-ones term, exact for every linear aggregation. 1 without ``scale`` or where the
+    micro-batch has no response token (a padding micro-batch)."""
     if scale is None:
-        return _float(share)
+        return 1.0
     from polyrl.algorithms import agg_loss
 
     ones = torch.ones(mask.shape, dtype=torch.float32, device=mask.device)
-    whole = float(agg_loss(ones, mask, loss_agg_mode))  # 0: no response token (a padding micro-batch)
+    whole = float(agg_loss(ones, mask, loss_agg_mode))
     part = float(agg_loss(ones, mask, loss_agg_mode, loss_scale=scale)) / whole if whole > 0 else 0.0
-    return _float(share) / part if part > 0 else _float(share)
+    return part if part > 0 else 1.0
 
 
 def _float(value: Any) -> float:
