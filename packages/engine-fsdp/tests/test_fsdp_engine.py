@@ -164,7 +164,8 @@ def test_shared_prompt_rows_in_any_order_train_like_whole_rows(model_dir, order)
     weights = {}
     for share in (True, False, None):  # None: the weights before the update
         engine = make_engine(str(model_dir), micro_batch_size=8,
-                             plugin_config=FSDPConfig(shared_prompt=bool(share), shared_prompt_min_tokens=0))
+                             plugin_config=FSDPConfig(shared_prompt=bool(share), shared_prompt_min_tokens=0,
+                                                      shared_prompt_packed=False))  # the padded form's row copies
         if share is not None:
             engine.train_batch(b, loss_fn)
         weights[share] = {k: v.detach().clone() for k, v in engine.module.named_parameters()}
@@ -172,6 +173,84 @@ def test_shared_prompt_rows_in_any_order_train_like_whole_rows(model_dir, order)
     assert len(moved) > len(weights[None]) // 2
     for name, w in weights[False].items():
         assert torch.allclose(w, weights[True][name], atol=1e-6), name
+
+
+def _grpo_rows(lengths: list[int], group: int, prompt_len: int = 6, seed: int = 5):
+    """Rows of ``group`` samples per prompt (prompts of 1 to ``prompt_len`` tokens, left-padded), responses of
+    ``lengths`` tokens, random advantages."""
+    from polyrl.agent_loops import collate
+    from polyrl.protocols import AgentLoopOutput
+
+    g = torch.Generator().manual_seed(seed)
+    outs = []
+    for i, n in enumerate(lengths):
+        if i % group == 0:
+            prompt = torch.randint(5, 200, (int(torch.randint(1, prompt_len + 1, (1,), generator=g)),), generator=g)
+        outs.append(AgentLoopOutput(prompt_ids=prompt.tolist(), response_ids=torch.randint(5, 200, (n,),
+                                                                                           generator=g).tolist(),
+                                    response_mask=[1] * n))
+    r = max(lengths)
+    b = collate(outs, pad_token_id=0, max_prompt_length=prompt_len, max_response_length=r)
+    b["advantages"] = torch.randn(len(lengths), 1, generator=g).expand(len(lengths), r).contiguous()
+    b["old_log_probs"] = torch.zeros(len(lengths), r)
+    return b
+
+
+@pytest.mark.parametrize("order", ["grouped", "interleaved"])
+def test_packed_shared_prompt_form_gives_the_whole_rows_log_probs_and_gradients(model_dir, order):
+    """Responses of very different lengths (short answers, one long one) take the packed shared-prompt form: every
+    response in one row, a block mask over the prompts' caches and its own tokens. Log-probs, entropies, a critic's
+    values and the gradients of a loss are those of running each row whole, in either row order."""
+    from polyrl_engine_fsdp.config import FSDPConfig
+    from polyrl_engine_fsdp.engine import _model_inputs, _trim
+
+    b = _grpo_rows([1, 2, 9, 1, 2, 1, 3, 1, 2, 1, 1, 2], group=4)
+    if order == "interleaved":
+        b = b[torch.tensor([0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11])]
+    got: dict = {}
+    for form, block in (("packed", FSDPConfig(shared_prompt_min_tokens=0)), ("whole", FSDPConfig(shared_prompt=False))):
+        engine = make_engine(str(model_dir), micro_batch_size=12, plugin_config=block)
+        inputs = _model_inputs(_trim(b), packed=False, shared_prompt=form == "packed", pack_costs=engine._pack_costs)
+        # packed: one row of every response token but each row's last (the lengths less one, summed: 14)
+        assert inputs["input_ids"].shape == ((1, 14) if form == "packed" else (12, 15))
+        out = engine.infer_batch(b, compute_entropy=True)
+        engine.module.train()
+        model_out, mb = engine.forward_micro_batch(b, 1.0, compute_entropy=True)
+        loss = (-model_out["log_probs"] * mb["advantages"] * mb["response_mask"]).sum() + model_out["entropy"].sum()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in engine.module.named_parameters()}
+        critic = make_engine(str(model_dir), "critic", "value", micro_batch_size=12, plugin_config=block)
+        critic.train_batch(b, lambda o, m, scale: ((o["values"] * m["response_mask"]).sum(), {}))
+        got[form] = (out["log_probs"], out["entropy"], grads, critic.infer_batch(b)["values"])
+    mask = b["response_mask"].bool()
+    (lp, ent, grads, values), (lp_w, ent_w, grads_w, values_w) = got["packed"], got["whole"]
+    assert torch.allclose(lp[mask], lp_w[mask], atol=1e-5)
+    assert torch.allclose(ent[mask], ent_w[mask], atol=1e-5)
+    assert values_w.abs().sum() > 0 and torch.allclose(values, values_w, atol=1e-5)
+    assert len(grads) == len(grads_w)
+    for name, g in grads_w.items():
+        assert torch.allclose(grads[name], g, atol=1e-6, rtol=1e-4), name
+
+
+def test_packed_form_only_where_it_costs_less(model_dir):
+    """The packed shared-prompt form is taken where the padding it drops costs more than its dense mask: responses
+    of very different lengths are packed, responses all of the longest length stay in the padded ``[rows, R]``
+    form, and ``fsdp.shared_prompt_packed=false`` keeps every micro-batch padded."""
+    from polyrl_engine_fsdp.config import FSDPConfig
+    from polyrl_engine_fsdp.engine import _model_inputs, _trim
+
+    engine = make_engine(str(model_dir), micro_batch_size=8, plugin_config=FSDPConfig(shared_prompt_min_tokens=0))
+    off = make_engine(str(model_dir), micro_batch_size=8,
+                      plugin_config=FSDPConfig(shared_prompt_min_tokens=0, shared_prompt_packed=False))
+    assert engine._pack_costs is not None and off._pack_costs is None
+    uneven = _trim(_grpo_rows([1, 1, 2, 12, 1, 2, 1, 1], group=4))
+    even = _trim(_grpo_rows([12] * 8, group=4))
+    assert _model_inputs(uneven, packed=False, shared_prompt=True, pack_costs=engine._pack_costs)[
+        "attention_mask"].dim() == 4
+    assert _model_inputs(even, packed=False, shared_prompt=True, pack_costs=engine._pack_costs)[
+        "attention_mask"].dim() == 2
+    assert _model_inputs(uneven, packed=False, shared_prompt=True, pack_costs=off._pack_costs)[
+        "attention_mask"].dim() == 2
 
 
 def test_shared_prompt_form_only_where_it_skips_enough_prompt_tokens(model_dir):

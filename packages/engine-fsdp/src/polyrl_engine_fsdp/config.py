@@ -40,6 +40,12 @@ class FSDPConfig:
     #: (measured on CPU: break-even near 80-100 tokens, -3% to +6% at 108, 11-21% faster at 190-290). ``0``:
     #: whenever a prompt repeats.
     shared_prompt_min_tokens: int = 96
+    #: In the shared-prompt form, lay a micro-batch's responses end to end in one row without their padding (each
+    #: attends to its own prompt's KV cache and its own earlier tokens through a block mask) where the cost model
+    #: says that is cheaper than the padded ``[rows, longest response]`` form: responses of very different lengths
+    #: (short answers with a few long ones). Same log-probs and gradients; text models whose layers all attend to
+    #: the whole sequence (no sliding window). ``False``: always the padded form.
+    shared_prompt_packed: bool = True
     #: Ulysses sequence parallelism (verl's name): this many consecutive ranks split each sequence and exchange
     #: attention heads by all-to-all; they form one data-parallel group. Must divide the role's ranks and the
     #: model's attention heads; 1 = off. See docs/engines/fsdp.md, "Long sequences".

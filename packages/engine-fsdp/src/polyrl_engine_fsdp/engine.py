@@ -117,10 +117,18 @@ class _Head(nn.Module):
                 "inputs_embeds": embed_with_images(backbone, prompt_ids, images, image_mask)}
             prefix = backbone(attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True,
                               **cached, **text)
-            _rows_of_prompts(cache, prompt_of_row)  # gradients of every row flow back to its prompt
+            # gradients of every row flow back to its prompt
+            packed_rest = attention_mask is not None and attention_mask.dim() == 4
+            if packed_rest:  # the responses end to end in one row (:func:`_packed_responses`)
+                _prompts_end_to_end(cache)
+            else:
+                _rows_of_prompts(cache, prompt_of_row)
             rest = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             use_cache=True, **cached).last_hidden_state
-            hidden = torch.cat([prefix.last_hidden_state[prompt_of_row, -1:], rest[:, :-1]], dim=1)
+            if packed_rest:  # [U + T, hidden]: each prompt's last state, then the packed response tokens'
+                hidden = torch.cat([prefix.last_hidden_state[:, -1], rest[0]], dim=0)
+            else:
+                hidden = torch.cat([prefix.last_hidden_state[prompt_of_row, -1:], rest[:, :-1]], dim=1)
         h = hidden.reshape(-1, hidden.shape[-1])[index]
         if self.model_type == "value":
             values = head(h).squeeze(-1).float().clone()
@@ -173,6 +181,19 @@ def _rows_of_prompts(cache: Any, prompt_of_row: torch.Tensor) -> None:
         for name in ("keys", "values"):
             t = getattr(layer, name)
             setattr(layer, name, t[:, None].expand(u, b // u, *t.shape[1:]).reshape(b, *t.shape[1:]))
+
+
+def _prompts_end_to_end(cache: Any) -> None:
+    """Lay ``cache``'s per-prompt keys and values (``[U, heads, P, d]``) end to end in one row
+    (``[1, heads, U x P, d]``, prompt-major): the packed responses' block mask picks each one's own prompt."""
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers):
+        raise RuntimeError("the packed shared-prompt forward needs transformers' DynamicCache with per-layer keys and "
+                           "values; set fsdp.shared_prompt_packed=false for this model")
+    for layer in layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            setattr(layer, name, t.transpose(0, 1).reshape(1, t.shape[1], t.shape[0] * t.shape[2], *t.shape[3:]))
 
 
 def _chunk_logprob(h, y, weight, bias, temperature: float, compute_entropy: bool,
@@ -413,6 +434,10 @@ class FSDPEngine:
             self._vision_trained = any(p.requires_grad for name in vision_tower_names(model)
                                        for p in model.get_submodule(name).parameters())
         self._shard_root(self.wrap_model(model), model, dtype)
+        #: a layer's costs for the packed shared-prompt form (``fsdp.shared_prompt_packed``; ``None``: padded only)
+        self._pack_costs = _forward_costs(model) if (
+            self._shared_prompt and self.fsdp.shared_prompt_packed and self.vision is None
+            and getattr(getattr(model, "config", None), "_attn_implementation", None) in ("sdpa", FLOAT32_SDPA)) else None
 
     def _shard_root(self, root: nn.Module, model: nn.Module, dtype: torch.dtype) -> None:
         """``self.module``: ``root`` fully_shard-ed (each of ``model``'s ``_no_split_modules`` layers, then the root)
@@ -576,7 +601,7 @@ class FSDPEngine:
         mb = _trim(mb)
         share = self._shares_prompts(mb)
         inputs: dict[str, Any] = _model_inputs(mb, packed=self.config.use_remove_padding, shared_prompt=share,
-                                               uniform=share and not self.replicated)
+                                               uniform=share and not self.replicated, pack_costs=self._pack_costs)
         if products and products.gather_ids:
             require_fields(mb, [products.gather_ids], f"{self.role} engine forward products (gather_ids)")
             inputs["gather"] = mb[products.gather_ids][inputs["rows"], inputs["cols"]]
@@ -1167,8 +1192,8 @@ def _adapter_name(name: str) -> str:
     return name
 
 
-def _model_inputs(mb: TensorDict, packed: bool, shared_prompt: bool = False,
-                  uniform: bool = False) -> dict[str, torch.Tensor | None]:
+def _model_inputs(mb: TensorDict, packed: bool, shared_prompt: bool = False, uniform: bool = False,
+                  pack_costs: tuple[float, float] | None = None) -> dict[str, torch.Tensor | None]:
     """The model's inputs for ``mb`` and where each response token's prediction is.
 
     Response token ``t`` of row ``i`` (column ``S - R + t``) is predicted from column ``S - R - 1 + t``;
@@ -1179,7 +1204,9 @@ def _model_inputs(mb: TensorDict, packed: bool, shared_prompt: bool = False,
     With ``shared_prompt`` and rows that repeat a prompt (GRPO's ``n`` samples), each distinct prompt
     runs once and the responses attend to its copied KV cache (see :meth:`_Head.forward`). ``uniform``
     takes that two-pass form even when no prompt repeats: sharded ranks must all run the same passes
-    (each pass all-gathers every layer), whatever their rows.
+    (each pass all-gathers every layer), whatever their rows. With ``pack_costs`` (a layer's FLOPs per token and
+    per attended pair, :func:`_forward_costs`) the shared-prompt form's responses are packed where that costs less
+    (:func:`_packed_responses`).
     """
     ids, attn, pos = mb["input_ids"], mb["attention_mask"], mb["position_ids"]
     b, s = ids.shape
@@ -1194,16 +1221,84 @@ def _model_inputs(mb: TensorDict, packed: bool, shared_prompt: bool = False,
         key = torch.cat([ids[:, : s - r], attn[:, : s - r]], dim=1)
         first, prompt_of_row = _distinct_rows(key)
         if (first.shape[0] < b or uniform) and bool(valid[:, s - r - 1].all()):
-            return {"input_ids": ids[:, s - r :], "attention_mask": attn, "position_ids": pos[:, s - r :],
-                    "prompt_ids": ids[first, : s - r], "prompt_mask": attn[first, : s - r],
-                    "prompt_positions": pos[first, : s - r], "prompt_of_row": prompt_of_row,
-                    "index": rows * r + cols, "targets": targets, "rows": rows, "cols": cols}
+            shared = {"prompt_ids": ids[first, : s - r], "prompt_mask": attn[first, : s - r],
+                      "prompt_positions": pos[first, : s - r], "prompt_of_row": prompt_of_row,
+                      "targets": targets, "rows": rows, "cols": cols}
+            rest = _packed_responses(ids[:, s - r :], valid[:, s - r :], pos[:, s - r :], attn[first, : s - r],
+                                     prompt_of_row, rows, cols, pack_costs) if pack_costs is not None else None
+            if rest is None:  # the padded form: [b, R] responses, each row attending to its copy of its prompt
+                rest = {"input_ids": ids[:, s - r :], "attention_mask": attn, "position_ids": pos[:, s - r :],
+                        "index": rows * r + cols}
+            return {**rest, **shared}
     if packed and _packs_cleanly(pos, valid):
         place = (valid.flatten().cumsum(0) - 1).view(b, s)
         return {"input_ids": ids[valid][None], "attention_mask": None, "position_ids": pos[valid][None],
                 "index": place[rows, pred_col], "targets": targets, "rows": rows, "cols": cols}
     return {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "index": rows * s + pred_col,
             "targets": targets, "rows": rows, "cols": cols}
+
+
+#: The largest block mask (attending tokens x attended positions) the packed shared-prompt form builds.
+_PACKED_MASK_LIMIT = 1 << 22
+
+
+def _packed_responses(ids: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor, prompt_mask: torch.Tensor,
+                      prompt_of_row: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                      costs: tuple[float, float]) -> dict[str, torch.Tensor] | None:
+    """The shared-prompt form's second pass with the responses (``ids``, ``valid``, ``pos``: ``[b, R]``) laid end
+    to end in one ``[1, T]`` row, or ``None`` where the padded ``[b, R]`` form costs less.
+
+    Each row's last response token is left out (it predicts nothing, and no other token attends to it), so ``T`` is
+    the rows' lengths less one, summed. A ``[1, 1, T, U x P + T]`` boolean mask lets each token attend to its own
+    prompt's real tokens in the prompts' cache laid end to end (:func:`_prompts_end_to_end`) and to its own row's
+    tokens up to itself, so every log-prob is the padded form's. ``index`` points into the ``[U + T, hidden]``
+    states the forward concatenates: prompt ``u``'s last state predicts its rows' first response token.
+
+    ``costs`` are a layer's FLOPs per token (its matrix products) and per attended (query, key) pair: the packed
+    form computes ``T`` tokens over ``T x (U x P + T)`` pairs, the padded one ``b x R`` tokens over
+    ``b x R x (P + R)`` pairs; the cheaper is taken (packing pays where responses differ a lot in length and the
+    batch is not so large that the dense mask's pairs cost more than the padding). Responses with a gap in their
+    mask, or a mask over :data:`_PACKED_MASK_LIMIT` entries, stay padded."""
+    b, r = ids.shape
+    u, p = prompt_mask.shape
+    lengths = valid.sum(1)
+    steps = torch.arange(r)
+    if not torch.equal(valid, steps[None] < lengths[:, None]):
+        return None
+    keep = steps[None] < (lengths - 1)[:, None]
+    t = int(keep.sum())
+    per_token, per_pair = costs
+    if t == 0 or t * (u * p + t) > _PACKED_MASK_LIMIT or \
+            t * per_token + t * (u * p + t) * per_pair >= b * r * per_token + b * r * (p + r) * per_pair:
+        return None
+    tok_row, tok_col = keep.nonzero(as_tuple=True)
+    place = torch.zeros(b, r, dtype=torch.long)
+    place[tok_row, tok_col] = torch.arange(t)
+    own_prompt = prompt_of_row[tok_row][:, None] == torch.arange(u).repeat_interleave(p)[None]
+    sees_prompt = own_prompt & prompt_mask.bool().flatten()[None]
+    sees_own = (tok_row[:, None] == tok_row[None]) & (tok_col[None] <= tok_col[:, None])
+    index = torch.where(cols == 0, prompt_of_row[rows], u + place[rows, (cols - 1).clamp(min=0)])
+    return {"input_ids": ids[tok_row, tok_col][None], "position_ids": pos[tok_row, tok_col][None],
+            "attention_mask": torch.cat([sees_prompt, sees_own], dim=1)[None, None], "index": index}
+
+
+def _forward_costs(model: nn.Module) -> tuple[float, float] | None:
+    """A decoder layer's FLOPs per token (twice its parameters) and per attended pair (``4 x heads x head_dim``:
+    scores and the weighted sum) for :func:`_packed_responses`; ``None`` where the model's layers are not found
+    or it has layers that attend to a sliding window (a custom mask would replace theirs)."""
+    cfg = getattr(model, "config", None)
+    n = getattr(cfg, "num_hidden_layers", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    if cfg is None or not n or not heads:
+        return None
+    if any(kind != "full_attention" for kind in (getattr(cfg, "layer_types", None) or ())) or (
+            getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)):
+        return None
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    layers = next((m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == n), None)
+    if layers is None:
+        return None
+    return 2.0 * sum(p.numel() for p in layers[0].parameters()), 4.0 * heads * head_dim
 
 
 def _saved_prompt_tokens(mb: TensorDict) -> int:

@@ -76,6 +76,9 @@ class BatchingClient:
         limit = getattr(self.rollout, "max_model_len", None)
         if not isinstance(limit, int) or limit <= 0 or len(requests) < 2:
             return requests
+        first = requests[0].sampling_params
+        if all(r.sampling_params is first or r.sampling_params == first for r in requests):
+            return requests  # one sampling setting (single-turn loops): nothing to merge
         largest: dict[Any, int] = {}
         for r in requests:
             key = repr(r.sampling_params.replace(max_new_tokens=0))
@@ -168,22 +171,17 @@ def collate(outputs: Sequence[AgentLoopOutput], *, pad_token_id: int, max_prompt
         truncated.append(cut or bool(o.metrics.get("truncated", 0.0)) or o.finish_reason in ("length", "max_turns"))
     p_len, r_len = max_prompt_length, max_response_length
     b = len(outputs)
-    prompt_t = torch.full((b, p_len), pad_token_id, dtype=torch.long)
-    prompt_m = torch.zeros((b, p_len), dtype=torch.long)
-    resp_t = torch.full((b, r_len), pad_token_id, dtype=torch.long)
-    resp_attn = torch.zeros((b, r_len), dtype=torch.long)
-    resp_m = torch.zeros((b, r_len), dtype=torch.long)
-    logp = torch.zeros((b, r_len), dtype=torch.float32)
-    for i, (o, p, r) in enumerate(zip(outputs, prompts, responses)):
-        if p:
-            prompt_t[i, p_len - len(p):] = torch.tensor(p)
-            prompt_m[i, p_len - len(p):] = 1
-        if r:
-            resp_t[i, : len(r)] = torch.tensor(r)
-            resp_attn[i, : len(r)] = 1
-            resp_m[i, : len(r)] = torch.tensor(list(o.response_mask)[: len(r)])
-            lp = list(o.log_probs)[: len(r)]
-            logp[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    # padded rows as python lists, one tensor per field (a tensor write per row and field cost 18 ms for 256 rows)
+    pad_p = [p_len - len(p) for p in prompts]
+    pad_r = [r_len - len(r) for r in responses]
+    prompt_t = torch.tensor([[pad_token_id] * k + p for p, k in zip(prompts, pad_p)], dtype=torch.long).view(b, p_len)
+    prompt_m = torch.tensor([[0] * k + [1] * (p_len - k) for k in pad_p], dtype=torch.long).view(b, p_len)
+    resp_t = torch.tensor([r + [pad_token_id] * k for r, k in zip(responses, pad_r)], dtype=torch.long).view(b, r_len)
+    resp_attn = torch.tensor([[1] * (r_len - k) + [0] * k for k in pad_r], dtype=torch.long).view(b, r_len)
+    resp_m = torch.tensor([list(o.response_mask)[: len(r)] + [0] * k for o, r, k in zip(outputs, responses, pad_r)],
+                          dtype=torch.long).view(b, r_len)
+    logps = [list(o.log_probs)[: len(r)] for o, r in zip(outputs, responses)]
+    logp = torch.tensor([lp + [0.0] * (r_len - len(lp)) for lp in logps], dtype=torch.float32).view(b, r_len)
     attention = torch.cat([prompt_m, resp_attn], dim=1)
     position = (attention.cumsum(-1) - 1).clamp(min=0)
     fields = {
