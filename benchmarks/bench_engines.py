@@ -10,7 +10,8 @@ a megatron step goes (megatron's forward/backward schedule incl. the gradient al
 
 The fsdp engine's update alone, variants against each other (``--variants``), on the GRPO benchmark's
 ``short`` shape (``--shape grpo-short``: 8 prompts of 9 tokens x 4 samples of 32 tokens, each rank half the
-rows) or the rows above:
+rows), the quickstart's (``--shape quickstart``: 16 prompts x 8 short answers per rank, e.g.
+``--variants packed:fsdp_size=1 padded:fsdp_size=1,shared_prompt_packed=false``) or the rows above:
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_engines.py --size small --shape grpo-short --steps 5 \
         --variants overlap:fsdp_size=1 after:fsdp_size=1,overlap_grad_reduce=false
@@ -69,6 +70,25 @@ def _grpo_batch(rows: int, prompt_len: int = 9, response_len: int = 32, n: int =
                                     response_mask=[1] * response_len))
     b = collate(outs, pad_token_id=0, max_prompt_length=prompt_len, max_response_length=response_len)
     b["advantages"] = torch.randn(rows, 1, generator=g).expand(rows, response_len).contiguous()
+    return b
+
+
+def _quickstart_batch(rows: int, n: int = 8, seed: int = 0):
+    """The quickstart's shape (``examples/quickstart/grpo.yaml``): ``rows / n`` prompts of 7-9 tokens, ``n`` samples
+    each of a short answer (2-4 tokens) or, one in 16, the whole 8-token budget (no end-of-sequence token)."""
+    from polyrl.agent_loops import collate
+    from polyrl.protocols import AgentLoopOutput
+
+    g = torch.Generator().manual_seed(seed)
+    outs = []
+    for i in range(rows):
+        if i % n == 0:
+            prompt = torch.randint(5, 250, (int(torch.randint(7, 10, (1,), generator=g)),), generator=g).tolist()
+        r = 8 if int(torch.randint(0, 16, (1,), generator=g)) == 0 else int(torch.randint(2, 5, (1,), generator=g))
+        outs.append(AgentLoopOutput(prompt_ids=prompt, response_ids=torch.randint(5, 250, (r,), generator=g).tolist(),
+                                    response_mask=[1] * r))
+    b = collate(outs, pad_token_id=0, max_prompt_length=32, max_response_length=8)
+    b["advantages"] = torch.randn(rows, 1, generator=g).expand(rows, 8).contiguous()
     return b
 
 
@@ -177,7 +197,7 @@ def _update_worker(rank: int, world: int, port: int, model_dir: str, args: argpa
     from polyrl_engine_fsdp.engine import FSDPEngine
 
     init_distributed("gloo", rank, world, "127.0.0.1", port)
-    batch = _grpo_batch(args.rows) if args.shape == "grpo-short" else _batch(args.rows)
+    batch = {"grpo-short": _grpo_batch, "quickstart": _quickstart_batch}.get(args.shape, _batch)(args.rows)
     tokens = int(batch["attention_mask"].sum())
     optim = OptimConfig(lr=1e-5, grad_clip=1.0)
     spent: dict[str, float] = {}
@@ -247,8 +267,9 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tp", type=int, default=2, choices=[1, 2])
-    parser.add_argument("--shape", default="mixed", choices=["mixed", "grpo-short"],
-                        help="the rows: mixed lengths (default) or the GRPO benchmark's short workload")
+    parser.add_argument("--shape", default="mixed", choices=["mixed", "grpo-short", "quickstart"],
+                        help="the rows: mixed lengths (default), the GRPO benchmark's short workload, or the "
+                             "quickstart's (16 prompts x 8 short answers per rank)")
     parser.add_argument("--variants", nargs="+", default=[],
                         help="fsdp update variants label:key=value,... (no megatron then)")
     parser.add_argument("--limits", help=argparse.SUPPRESS)
@@ -261,6 +282,11 @@ def main() -> None:
             args.rows = 32
         if args.micro_batch_size == parser.get_default("micro_batch_size"):
             args.micro_batch_size = 32
+    if args.shape == "quickstart":  # a mini-batch of examples/quickstart/grpo.yaml on each rank, one micro-batch
+        if args.rows == parser.get_default("rows"):
+            args.rows = 256
+        if args.micro_batch_size == parser.get_default("micro_batch_size"):
+            args.micro_batch_size = 128
     if args.rank is not None:
         (_update_worker if args.variants else _worker)(args.rank, 2, args.port, args.model_dir, args)
         return
