@@ -11,6 +11,9 @@ Measured (2026-11-23, 2 CPU cores, 20 steps, ``trainer.seed`` 1/2/3), mean of th
   * control (a reward that is a hash of the answer, no signal; its ``acc`` is still the digit fraction):
                0.05 -> 0.04, 0.04 -> 0.07, 0.02 -> 0.03 (no single control step above 0.18)
 The assertion (last 4 >= 0.5 and at least 0.35 above the first 4) holds for every real run and no control run.
+Since 2026-12-01 the hf rollout draws tokens by inverse-CDF sampling (other random numbers from the same seed):
+seeds 2 and 3 then reach 0.95 and 0.98 in 20 steps (0.83 and 0.84 with ``torch.multinomial``), but seed 1, the
+test's, takes off later and was at 0.49, so the test runs 30 steps (it passes; the control was not re-run at 30).
 A 20-step run takes 16-35 s after Ray is up (0.25 s a step; the rest is starting the workers and importing
 megatron-core), about 45 s with Ray's start on 2 idle CPU cores.
 """
@@ -27,7 +30,7 @@ from polyrl.trainer.commands import train
 
 pytest.importorskip("megatron.core")
 
-STEPS = 20
+STEPS = 30
 
 DIGITS_REWARD = (
     "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -73,8 +76,10 @@ def test_grpo_megatron_tp2_learns(arithmetic_files, tp_model, tmp_path):
     train(manifest, [], learning_overrides(tp_model, arithmetic_files, reward, run, STEPS))
     rows = train_rows(run)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    for r in rows:
-        assert math.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0
+    for r in rows:  # a batch whose every group scored alike has zero advantages, so a zero gradient
+        signal = r["critic/advantages/max"] > 0 or r["critic/advantages/min"] < 0
+        assert math.isfinite(r["actor/pg_loss"]) and (r["actor/grad_norm"] > 0 or not signal), r
+    assert sum(r["actor/grad_norm"] > 0 for r in rows) >= STEPS // 2
     acc = [r["acc/mean"] for r in rows]
     first, last = sum(acc[:4]) / 4, sum(acc[-4:]) / 4
     assert last >= 0.5 and last >= first + 0.35, acc

@@ -133,7 +133,10 @@ def _misbehaving_run(tmp_path, base_overrides, tool: str) -> tuple[subprocess.Co
     overrides += [f"trainer.run_dir={run}", "trainer.total_steps=1", "trainer.executor=local",
                   "trainer.val_before_train=false", "data.train_batch_size=2", "rollout.n=2",
                   "data.max_response_length=48", "agent.default_loop=tool_agent", f"agent.tools=[{tool}]",
-                  f"agent.tool_parser=always_{tool}", "agent.tool_timeout_s=0.5", "agent.max_turns=2"]
+                  f"agent.tool_parser=always_{tool}", "agent.tool_timeout_s=0.5", "agent.max_turns=2",
+                  # half the vocabulary ends a turn, so every first turn stops (a tool is called only after a turn
+                  # that stopped) instead of a random-init model's rare end-of-sequence token deciding it
+                  f"rollout.stop_token_ids=[{','.join(map(str, range(10, 138)))}]"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
     proc = subprocess.run([sys.executable, "-m", "polyrl", "train", "--manifest", str(manifest), *overrides],
