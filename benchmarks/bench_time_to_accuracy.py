@@ -30,7 +30,7 @@ TRL is the baseline, not a polyrl dependency: ``pip install --no-deps --target /
 
     OMP_NUM_THREADS=1 PYTHONPATH=/tmp/trl .venv/bin/python benchmarks/bench_time_to_accuracy.py \\
         [--seeds 1 2 3] [--trl-steps 200] [--eval-every 20] [--polyrl-mode sync] [--out DIR] \\
-        [--cores 2] [--trl-threads 1] [--polyrl-steps 0] [--polyrl-args KEY=VALUE ...]
+        [--cores 2] [--trl-threads 1] [--polyrl-steps 0] [--precision float32|bfloat16] [--polyrl-args KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "examples" / "quickstart"
 PROMPTS, N, MINI, COMPLETION, LR = 32, 8, 16, 8, 1e-4
+#: polyrl's overrides per ``--precision`` (as in bench_grpo_vs_trl.py; TRL's side: ``bf16=True``).
+PRECISION_ARGS = {"float32": [], "bfloat16": ["actor.fsdp.param_dtype=bfloat16", "rollout.dtype=bfloat16"]}
 VAL_N = 4
 
 
@@ -78,14 +80,14 @@ def prepare(root: Path) -> Path:
 
 
 def run_trl(model: Path, root: Path, out: Path, seed: int, steps: int, every: int, procs: int,
-            threads: int = 1) -> dict:
+            threads: int = 1, precision: str = "float32") -> dict:
     """TRL's GRPOTrainer under ``torchrun --nproc_per_node procs`` of ``threads`` threads each; rank 0 writes the
     curve."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     result = out / "trl.json"
-    spec = json.dumps([str(model), str(root), str(out), seed, steps, every, str(result)])
+    spec = json.dumps([str(model), str(root), str(out), seed, steps, every, str(result), precision])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", __file__,
            "--trl-child", spec]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
@@ -93,8 +95,11 @@ def run_trl(model: Path, root: Path, out: Path, seed: int, steps: int, every: in
     return json.loads(result.read_text())
 
 
-def trl_child(model_dir: str, root: str, out: str, seed: int, steps: int, every: int, result: str) -> None:
-    """One torchrun process: GRPO with TRL, held-out accuracy on rank 0 every ``every`` steps (clock paused)."""
+def trl_child(model_dir: str, root: str, out: str, seed: int, steps: int, every: int, result: str,
+              precision: str = "float32") -> None:
+    """One torchrun process: GRPO with TRL, held-out accuracy on rank 0 every ``every`` steps (clock paused).
+    ``precision="bfloat16"``: TRL's ``bf16=True`` (accelerate's CPU autocast over float32 weights); its evaluation
+    still samples from a float32 copy (polyrl's validation samples with its bf16 rollout, as it trains)."""
     import torch
     import torch.distributed as dist
     from datasets import Dataset
@@ -166,7 +171,7 @@ def trl_child(model_dir: str, root: str, out: str, seed: int, steps: int, every:
         output_dir=out, per_device_train_batch_size=MINI * N // world, steps_per_generation=PROMPTS // MINI,
         num_generations=N, gradient_accumulation_steps=1, max_completion_length=COMPLETION, max_steps=steps,
         learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, warmup_steps=0,
-        logging_steps=10, report_to="none", use_cpu=True, bf16=False, fp16=False, save_strategy="no",
+        logging_steps=10, report_to="none", use_cpu=True, bf16=precision == "bfloat16", fp16=False, save_strategy="no",
         temperature=1.0, top_k=0, top_p=1.0, beta=0.0, seed=seed, data_seed=seed, dataloader_num_workers=0,
         use_vllm=False, gradient_checkpointing=False, ddp_backend="gloo" if world > 1 else None,
         ddp_find_unused_parameters=False,  # every parameter is used: no extra autograd traversal
@@ -257,6 +262,9 @@ def main() -> None:
     parser.add_argument("--polyrl-args", nargs="*", default=[], help="extra `polyrl train` overrides (key=value)")
     parser.add_argument("--sides", nargs="+", default=["trl", "polyrl"], choices=["trl", "polyrl"])
     parser.add_argument("--out", default=None, help="work folder (default: a new temporary one)")
+    parser.add_argument("--precision", default="float32", choices=sorted(PRECISION_ARGS),
+                        help="both sides: float32, or bf16 compute over float32 weights (TRL's bf16=True; polyrl's "
+                             "actor.fsdp.param_dtype=bfloat16 with a bf16 rollout)")
     args = parser.parse_args()
     per = PROMPTS // MINI
     if args.eval_every % per:
@@ -276,10 +284,11 @@ def main() -> None:
         for side in sides:
             if side == "trl":
                 res["trl"] = run_trl(model, root, root / f"trl-{seed}", seed, args.trl_steps, args.eval_every,
-                                     args.cores, args.trl_threads)
+                                     args.cores, args.trl_threads, args.precision)
             else:
                 res["polyrl"] = run_polyrl(model, root, root / f"polyrl-{seed}", seed, polyrl_steps,
-                                           args.eval_every // per, args.polyrl_mode, args.polyrl_args)
+                                           args.eval_every // per, args.polyrl_mode,
+                                           [*PRECISION_ARGS[args.precision], *args.polyrl_args])
         res["load_after"] = os.getloadavg()
         if "trl" in res and "polyrl" in res:
             res.update(target_and_time(res["trl"], res["polyrl"]))
