@@ -13,6 +13,9 @@ last 4):
     0.05 -> 0.04, 0.03 -> 0.02 (no single control step above 0.16)
 The assertion (last 4 >= 0.25 and at least 0.2 above the first 4) holds for every real run and no control run.
 35-60 s a run on the loaded 2 cores (user CPU about 25 s).
+
+30 steps since 2026-12-02: on an AMD EPYC (other kernels, other rounding) seed 1's 20 steps ended at 0.21; over 30
+steps seeds 2 / 3 went 0.03 -> 0.94 and 0.02 -> 0.98 (take-off between steps 15 and 20), in about 20 s a run.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from polyrl.trainer.commands import train
 
 pytest.importorskip("megatron.core")
 
-STEPS = 20
+STEPS = 30
 #: a reward with no signal about digits (the control): a hash of the answer
 HASH_REWARD = (
     "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -71,4 +74,4 @@ def test_grpo_megatron_moe_ep2_learns(arithmetic_files, moe_model, tmp_path):
         assert 0.5 < r["actor/moe_load_balancing_loss"] < 4  # the routers' loss is reported (and trained)
     acc = [r["acc/mean"] for r in rows]
     first, last = sum(acc[:4]) / 4, sum(acc[-4:]) / 4
-    assert last >= 0.25 and last >= first + 0.2, acc
+    assert last >= 0.25 and last >= first + 0.2, [round(a, 3) for a in acc]
