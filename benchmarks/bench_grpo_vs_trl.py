@@ -128,6 +128,7 @@ def trl_child(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, r
     cfg = GRPOConfig(
         output_dir=str(out), per_device_train_batch_size=PROMPTS_PER_STEP * N // world, num_generations=N,
         ddp_backend="gloo" if world > 1 else None,
+        ddp_find_unused_parameters=False,  # every parameter is used: no extra autograd traversal per step
         gradient_accumulation_steps=1, max_completion_length=COMPLETION, max_steps=warmup + steps,
         learning_rate=1e-4, logging_steps=1, report_to="none", use_cpu=True, bf16=precision == "bfloat16", fp16=False,
         save_strategy="no", temperature=1.0, beta=0.0, dataloader_num_workers=0, use_vllm=False,
