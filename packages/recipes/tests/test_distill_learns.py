@@ -1,12 +1,12 @@
 """On-policy distillation against GRPO, from the same start, on the quickstart's arithmetic (every single-digit
 sum; 80 prompts to train on, 20 held out; exact answers).
 
-The teacher is trained in code (supervised, 200 full-batch steps: held-out greedy accuracy 1.0; after 100
-steps it was 1.0 on an Intel Xeon but 0.85 on an AMD EPYC, whose kernels round differently, and 1.0 from 120
-on). The student starts from the same training run stopped at step 40 (held-out 0.10: it answers with digits,
-mostly wrong). Both runs then take 15 steps of 80 prompts x 2 samples, 4 PPO epochs over 2 mini-batches, lr 3e-3 (3 warm-up
-optimizer steps, cosine decay), validating greedily on the held-out 20 every 5 steps. Held-out accuracy at
-steps 0, 5, 10, 15 (2 CPU cores under load, 2026-12):
+The teacher is trained in code (supervised, 200 full-batch steps: held-out greedy accuracy 1.0; after 100 steps it
+was 1.0 on an Intel Xeon but 0.85 on an AMD EPYC, whose kernels round differently, and 1.0 from 120 on). The student
+starts from the same training run stopped at step 40 (held-out 0.10: it answers with digits, mostly wrong). Both
+runs then take 15 steps of 80 prompts x 2 samples, 4 PPO epochs over 2 mini-batches, lr 3e-3 (3 warm-up optimizer
+steps, cosine decay), validating greedily on the held-out 20 every 5 steps. Held-out accuracy at steps 0, 5, 10, 15
+(2 CPU cores under load, 2026-12):
 
 - distillation (``trainer.name=distill``, ``loss_mode=forward_kl_topk``, top 8, no task reward):
   0.10, 0.35, 0.80, 1.00;
