@@ -45,6 +45,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# polyrl's overrides per ``--precision``, one table for both benchmarks (TRL's side: ``bf16=True``); this script's
+# folder is on sys.path when it runs, also as torchrun's child
+from bench_grpo_vs_trl import PRECISION_ARGS
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -52,8 +56,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "examples" / "quickstart"
 PROMPTS, N, MINI, COMPLETION, LR = 32, 8, 16, 8, 1e-4
-#: polyrl's overrides per ``--precision`` (as in bench_grpo_vs_trl.py; TRL's side: ``bf16=True``).
-PRECISION_ARGS = {"float32": [], "bfloat16": ["actor.fsdp.param_dtype=bfloat16", "rollout.dtype=bfloat16"]}
 VAL_N = 4
 
 
