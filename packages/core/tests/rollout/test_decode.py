@@ -48,6 +48,14 @@ def arch_rollout(request, tmp_path_factory):
     return request.param, rollout, reference, tok
 
 
+@pytest.fixture(autouse=True, params=["per-row", "shared"])
+def prefix_layout(request, monkeypatch):
+    """Every test under both layouts of the prompt's keys and values (``StaticDecoder.share_prefix_above``):
+    copied into each row's cache, and kept once per prompt with the shared-prefix products."""
+    monkeypatch.setattr(StaticDecoder, "share_prefix_above", 1 << 30 if request.param == "per-row" else 0)
+    return request.param
+
+
 def _forward_logprobs(model, prompt, response, temperature=1.0):
     with torch.no_grad():
         logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1] / temperature
