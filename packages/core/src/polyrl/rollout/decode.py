@@ -7,7 +7,9 @@ updates land without a copy), with:
 
 - the prompt prefill run once per distinct prompt (GRPO's group of samples shares it), and its keys and values
   kept once per prompt: at every step the samples of one prompt attend to them in one product, so the
-  prompt's keys are read once per step, not once per sample (a shared-prefix "cascade" attention);
+  prompt's keys are read once per step, not once per sample (a shared-prefix "cascade" attention); a prompt
+  no longer than the answer is instead copied into each row's cache (``StaticDecoder.share_prefix_above``);
+- for 16-bit models the attention (cached keys and values, scores, softmax) in float32;
 - the generated tokens' keys and values in a cache allocated once per batch (``[rows, kv_heads,
   max_new_tokens, head_dim]`` per layer) and written in place;
 - attention for one query token as batched products over the kv heads (no repeat of the kv heads), the
