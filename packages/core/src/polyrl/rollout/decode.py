@@ -427,17 +427,15 @@ class DecodeBatch:
                 if self.row_bias is not None:
                     scores = scores + self.row_bias[..., : col + 1]
                 out = torch.matmul(torch.softmax(scores, dim=-1), sv)
-                x = x + layer.o(out.reshape(rows, nq).to(x.dtype))
-                x = x + dec._mlp(layer, _rms_norm(x, layer.ln2, layer.eps2))
-                continue
-            # the prompt's keys are read once for all its rows: [U, kv, group x heads per kv, D] x [U, kv, D, W]
-            prefix_scores = self._from_slots(torch.matmul(self._to_slots(q), self.prefix_k[i].transpose(-1, -2))
-                                             + self.prefix_bias, width)
-            # the generated tokens' keys, per row: [rows, kv, heads per kv, D] x [rows, kv, D, t]
-            suffix_scores = torch.matmul(q, sk.transpose(-1, -2))
-            probs = torch.softmax(torch.cat([prefix_scores, suffix_scores], dim=-1), dim=-1)
-            out = torch.matmul(self._to_slots(probs[..., :width]), self.prefix_v[i])
-            out = self._from_slots(out, d) + torch.matmul(probs[..., width:], sv)
+            else:
+                # the prompt's keys are read once for all its rows: [U, kv, group x heads per kv, D] x [U, kv, D, W]
+                prefix_scores = self._from_slots(torch.matmul(self._to_slots(q), self.prefix_k[i].transpose(-1, -2))
+                                                 + self.prefix_bias, width)
+                # the generated tokens' keys, per row: [rows, kv, heads per kv, D] x [rows, kv, D, t]
+                suffix_scores = torch.matmul(q, sk.transpose(-1, -2))
+                probs = torch.softmax(torch.cat([prefix_scores, suffix_scores], dim=-1), dim=-1)
+                out = torch.matmul(self._to_slots(probs[..., :width]), self.prefix_v[i])
+                out = self._from_slots(out, d) + torch.matmul(probs[..., width:], sv)
             x = x + layer.o(out.reshape(rows, nq).to(x.dtype))
             x = x + dec._mlp(layer, _rms_norm(x, layer.ln2, layer.eps2))
         return dec._logits(x)
