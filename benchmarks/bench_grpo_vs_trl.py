@@ -24,12 +24,17 @@ fraction of the matmul limit (polyrl: the ``update_actor`` phase; TRL: its step 
 weight sync's share of a step; the final JSON line has them under each row's ``fractions``
 (``decode_of_roofline``, ``update_of_matmul``, ``weight_sync_of_step``). See docs/benchmarks.md for the method.
 
+On a GPU (``--device cuda``; benchmarks/gpu/run_gpu.sh runs it there): one process a side, bf16 on both, the
+``qwen2.5-0.5b`` size (Qwen2.5-0.5B's shapes and 151936-token vocabulary, random weights: throughput only), a
+batch set by ``--prompts --samples --completion``; the limits are the GPU's bf16 matmul FLOP/s (8192^3) and its
+memory bandwidth, so the fractions read as the update's MFU and decoding's fraction of the HBM roofline.
+
 TRL is the baseline, not a polyrl dependency: install it beside the venv without touching it, e.g.
 ``pip install --no-deps --target /tmp/trl trl`` and ``PYTHONPATH=/tmp/trl``.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_grpo_vs_trl.py [--sizes tiny small] \\
         [--workloads short long] [--warmup 2] [--steps 5] [--workers 2 1] [--precision float32 bfloat16] \\
-        [--layouts processes threads]
+        [--layouts processes threads] [--prompts 8 --samples 4 --completion 32] [--device cpu]
 """
 
 from __future__ import annotations
@@ -48,9 +53,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+#: The batch (``--prompts``, ``--samples``, ``--completion``): prompts per step, samples per prompt, tokens per
+#: completion; set once in :func:`main` (and in TRL's child processes from their arguments).
 PROMPTS_PER_STEP = 8
 N = 4
 COMPLETION = 32
+#: Model shapes beyond ``polyrl.models.tiny``'s sizes: ``make_tiny_model`` overrides and the tokenizer's vocabulary.
+SIZES = {"qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                              num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                              rope_theta=1000000.0, max_position_embeddings=32768)}
 #: polyrl's overrides per ``--precision`` (TRL's side: ``bf16=True``).
 PRECISION_ARGS = {"float32": [], "bfloat16": ["actor.fsdp.param_dtype=bfloat16", "rollout.dtype=bfloat16"]}
 #: The ``long`` workload's system message: worked examples ahead of every question.
@@ -69,22 +80,23 @@ def make_rows(workload: str) -> list[dict]:
 
 
 def run_trl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, procs: int,
-            precision: str = "float32", threads: int = 1) -> dict:
+            precision: str = "float32", threads: int = 1, device: str = "cpu") -> dict:
     """TRL's GRPOTrainer under ``torchrun --nproc_per_node procs`` (gloo DDP on CPU), ``threads`` torch threads
     each; rank 0's timings."""
     out.mkdir(parents=True, exist_ok=True)
     result = out / "trl.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", __file__,
-           "--trl-child", json.dumps([str(model_dir), str(data), warmup, steps, str(out), str(result), precision])]
+           "--trl-child", json.dumps([str(model_dir), str(data), warmup, steps, str(out), str(result), precision,
+                                        device, [PROMPTS_PER_STEP, N, COMPLETION]])]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
     return json.loads(result.read_text())
 
 
 def trl_child(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, result: Path,
-              precision: str = "float32") -> None:
+              precision: str = "float32", device: str = "cpu") -> None:
     """One torchrun process of TRL's GRPOTrainer (use_vllm=False): each process generates and trains
     ``1/world`` of the batch; rank 0 writes completion tokens, step seconds and generation seconds.
-    ``precision="bfloat16"``: TRL's ``bf16=True`` (accelerate's CPU autocast over float32 weights)."""
+    ``precision="bfloat16"``: TRL's ``bf16=True`` (accelerate's autocast over float32 weights)."""
     import torch
     import transformers.generation.utils as generation
     from datasets import Dataset
@@ -127,10 +139,11 @@ def trl_child(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, r
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = GRPOConfig(
         output_dir=str(out), per_device_train_batch_size=PROMPTS_PER_STEP * N // world, num_generations=N,
-        ddp_backend="gloo" if world > 1 else None,
+        ddp_backend=("gloo" if device == "cpu" else "nccl") if world > 1 else None,
         ddp_find_unused_parameters=False,  # every parameter is used: no extra autograd traversal per step
         gradient_accumulation_steps=1, max_completion_length=COMPLETION, max_steps=warmup + steps,
-        learning_rate=1e-4, logging_steps=1, report_to="none", use_cpu=True, bf16=precision == "bfloat16", fp16=False,
+        learning_rate=1e-4, logging_steps=1, report_to="none", use_cpu=device == "cpu", bf16=precision == "bfloat16",
+        fp16=False,
         save_strategy="no", temperature=1.0, beta=0.0, dataloader_num_workers=0, use_vllm=False,
         # TRL turns activation checkpointing on by default; off here, like polyrl's default (faster)
         gradient_checkpointing=False,
@@ -153,7 +166,7 @@ def trl_child(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, r
 
 
 def run_polyrl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, workers: int,
-               extra: list[str], precision: str = "float32", threads: int = 1) -> dict:
+               extra: list[str], precision: str = "float32", threads: int = 1, device: str = "cpu") -> dict:
     """`polyrl train` (FSDP engine, hf rollout) with the same batch, ``threads`` torch threads per worker; step
     time from its metrics.
     ``precision="bfloat16"``: verl's mixed precision (bf16 compute over float32 weights,
@@ -170,7 +183,7 @@ def run_polyrl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, 
         "actor.fsdp.fsdp_size=1",
         "actor.optim.lr=1e-4", f"rollout.n={N}", f"rollout.max_batch_size={PROMPTS_PER_STEP * N}",
         f"trainer.total_steps={warmup + steps}", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
-        f"trainer.run_dir={out / 'run'}", *executor, *PRECISION_ARGS[precision], *extra,
+        f"trainer.run_dir={out / 'run'}", f"trainer.device={device}", *executor, *PRECISION_ARGS[precision], *extra,
     ]
     subprocess.run([sys.executable, "-m", "polyrl", "train", "--manifest", str(manifest), *overrides], check=True,
                    stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
@@ -183,10 +196,13 @@ def run_polyrl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, 
             "phases": {k: v for k, v in phases.items() if v >= 0.005}}
 
 
-def machine_limits(precision: str = "float32") -> dict[str, float]:
-    """One core's measured limits: wide and skinny matmul FLOP/s in ``precision`` and memory bandwidth (bytes/s)."""
+def machine_limits(precision: str = "float32", device: str = "cpu") -> dict[str, float]:
+    """One core's (or the GPU's) measured limits: wide and skinny matmul FLOP/s in ``precision`` and memory
+    bandwidth (bytes/s)."""
     import torch
 
+    if device != "cpu":
+        return gpu_limits(precision, device)
     torch.set_num_threads(1)
     dtype = getattr(torch, precision)
 
@@ -207,6 +223,37 @@ def machine_limits(precision: str = "float32") -> dict[str, float]:
     bandwidth = 2 * x.numel() * 4 * 5 / (time.perf_counter() - start)  # read + write
     return {"matmul_flops": flops(1024, 1024, 1024, 10), "skinny_flops": flops(16, 512, 1536, 2000),
             "bandwidth": bandwidth}
+
+
+def gpu_limits(precision: str, device: str = "cuda") -> dict[str, float]:
+    """The GPU's measured limits: ``precision`` matmul FLOP/s at 8192^3 (wide) and at a decode step's shape (the batch's
+    rows x 1024 x 4096: skinny), and device-memory bandwidth (a 1 GiB copy, bytes read and written)."""
+    import torch
+
+    dtype = getattr(torch, precision)
+
+    def timed(fn, reps: int) -> float:
+        fn()
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize(device)
+        return (time.perf_counter() - start) / reps
+
+    def flops(m: int, k: int, n: int, reps: int) -> float:
+        a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
+        return 2 * m * k * n / timed(lambda: a @ b, reps)
+
+    def bandwidth() -> float:
+        x = torch.empty(1 << 28, device=device)  # 1 GiB of float32
+        y = torch.empty_like(x)
+        return 2 * x.numel() * 4 / timed(lambda: y.copy_(x), 20)
+
+    out = {"matmul_flops": flops(8192, 8192, 8192, 10), "skinny_flops": flops(PROMPTS_PER_STEP * N, 1024, 4096, 200),
+           "bandwidth": bandwidth()}
+    torch.cuda.empty_cache()
+    return out
 
 
 def phase_floors(params: int, prompt_tokens: int, completion: float, cores: int, limits: dict,
@@ -249,8 +296,9 @@ def fractions(result: dict, split: dict[str, float], floor: dict[str, float], up
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--trl-child":
-        model_dir, data, warmup, steps, out, result, precision = json.loads(sys.argv[2])
-        trl_child(Path(model_dir), Path(data), warmup, steps, Path(out), Path(result), precision)
+        model_dir, data, warmup, steps, out, result, precision, device, shape = json.loads(sys.argv[2])
+        _set_batch(*shape)
+        trl_child(Path(model_dir), Path(data), warmup, steps, Path(out), Path(result), precision, device)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
@@ -267,16 +315,25 @@ def main() -> None:
                         help="both sides, each in turn: float32, or bf16 compute over float32 weights (TRL's "
                              "bf16=True; polyrl's actor.fsdp.param_dtype=bfloat16 with a bf16 rollout, verl's "
                              "defaults); with several, also each side's best against the other's best")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: one process a side on the GPU (--workers 1, the processes layout)")
+    parser.add_argument("--prompts", type=int, default=PROMPTS_PER_STEP, help="prompts per step")
+    parser.add_argument("--samples", type=int, default=N, help="samples per prompt (GRPO's group)")
+    parser.add_argument("--completion", type=int, default=COMPLETION, help="tokens per completion at most")
     args = parser.parse_args()
+    _set_batch(args.prompts, args.samples, args.completion)
+    if args.device != "cpu" and (args.workers != [1] or args.layouts != ["processes"]):
+        parser.error("--device cuda runs one process a side: --workers 1 --layouts processes")
     from safetensors import safe_open
 
     from polyrl.data.synthetic import write_jsonl
-    from polyrl.models.tiny import make_tiny_model
 
-    all_limits = {p: machine_limits(p) for p in args.precision}
+    all_limits = {p: machine_limits(p, args.device) for p in args.precision}
     for precision, limits in all_limits.items():
-        print(f"{precision}, one core: matmul {limits['matmul_flops'] / 1e9:.1f} GFLOP/s (1024^3), skinny "
-              f"{limits['skinny_flops'] / 1e9:.1f} GFLOP/s (16x512x1536), memory {limits['bandwidth'] / 1e9:.1f} GB/s",
+        where, wide, skinny = (("one core", "1024^3", "16x512x1536") if args.device == "cpu" else
+                               (args.device, "8192^3", f"{PROMPTS_PER_STEP * N}x1024x4096"))
+        print(f"{precision}, {where}: matmul {limits['matmul_flops'] / 1e9:.1f} GFLOP/s ({wide}), skinny "
+              f"{limits['skinny_flops'] / 1e9:.1f} GFLOP/s ({skinny}), memory {limits['bandwidth'] / 1e9:.1f} GB/s",
               flush=True)
     root = Path(tempfile.mkdtemp(prefix="bench-trl-"))
     report = []
@@ -286,7 +343,7 @@ def main() -> None:
         for size in args.sizes:
             model_dir = root / size
             if not model_dir.exists():
-                make_tiny_model(model_dir, size=size, seed=0)
+                build_model(model_dir, size)
             with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
                 params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
             tag = f"{workload}-{size}"
@@ -295,10 +352,11 @@ def main() -> None:
             for cores, layout, precision in settings:
                 limits, run = all_limits[precision], f"{tag}-{cores}-{layout}-{precision}"
                 procs, threads = (cores, 1) if layout == "processes" else (1, cores)
-                trl = run_trl(model_dir, data, args.warmup, args.steps, root / f"trl-{run}", procs, precision, threads)
+                trl = run_trl(model_dir, data, args.warmup, args.steps, root / f"trl-{run}", procs, precision, threads,
+                              args.device)
                 trl["steps"] = args.steps
                 ours = run_polyrl(model_dir, data, args.warmup, args.steps, root / f"polyrl-{run}", procs,
-                                  args.polyrl_args, precision, threads)
+                                  args.polyrl_args, precision, threads, args.device)
                 ours["steps"] = args.steps
                 completion = trl.get("mean_length", COMPLETION)
                 floor = phase_floors(params, prompt_tokens, completion, cores, limits,
@@ -330,8 +388,26 @@ def main() -> None:
         print(f"best of each: {b['workload']:5} {b['size']:5} {b['cores']} core(s): TRL {b['trl_tok_s']:.1f} tok/s "
               f"({b['trl_setting']}), polyrl {b['polyrl_tok_s']:.1f} tok/s ({b['polyrl_setting']}), ratio "
               f"{b['ratio']:.2f}x", flush=True)
-    print(json.dumps({"limits": all_limits, "rows": report, "best": best}), flush=True)
+    print(json.dumps({"device": args.device, "batch": [PROMPTS_PER_STEP, N, COMPLETION], "limits": all_limits,
+                      "rows": report, "best": best}), flush=True)
     shutil.rmtree(root, ignore_errors=True)  # the runs' checkpoints: about 1 GB per configuration
+
+
+def _set_batch(prompts: int, samples: int, completion: int) -> None:
+    global PROMPTS_PER_STEP, N, COMPLETION
+    PROMPTS_PER_STEP, N, COMPLETION = prompts, samples, completion
+
+
+def build_model(path: Path, size: str) -> Path:
+    """A random-init model of ``size``: one of ``polyrl.models.tiny``'s, or of :data:`SIZES` (the character tokenizer
+    padded to the size's vocabulary)."""
+    from polyrl.models.tiny import build_char_tokenizer, make_tiny_model
+
+    if size not in SIZES:
+        return make_tiny_model(path, size=size, seed=0)
+    shape = dict(SIZES[size])
+    tokenizer = build_char_tokenizer(vocab_size=shape.pop("vocab_size"))
+    return make_tiny_model(path, size="small", tokenizer=tokenizer, seed=0, **shape)
 
 
 def best_of_each(rows: list[dict]) -> list[dict]:

@@ -26,12 +26,15 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<|tool|>"]
 
 
-def build_char_tokenizer(*, model_max_length: int = 2048) -> Any:
+def build_char_tokenizer(*, model_max_length: int = 2048, vocab_size: int | None = None) -> Any:
     """A character-level HF tokenizer: byte-level BPE with no merges (256 byte tokens + specials).
 
     Byte-level like Qwen2's and GPT-2's, so ``AutoTokenizer`` (which may pick the
     model family's tokenizer class) and vLLM round-trip any text through it.
     ``<|end|>`` is EOS, ``<|pad|>`` is padding; the chat template is :data:`CHAT_TEMPLATE`.
+    ``vocab_size``: pad the vocabulary to this many ids with tokens text never encodes to (``<|x0|>``, ...,
+    which decode to their own spelling), so a model built with it has a real model's embedding and output
+    sizes (Qwen2.5's 151936, say) while text still encodes by character.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -39,6 +42,12 @@ def build_char_tokenizer(*, model_max_length: int = 2048) -> Any:
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab.setdefault(ch, len(vocab))
+    if vocab_size is not None:
+        if vocab_size < len(vocab):
+            raise ValueError(f"build_char_tokenizer: vocab_size={vocab_size} is below the {len(vocab)} ids of the "
+                             "bytes and special tokens")
+        for i in range(vocab_size - len(vocab)):
+            vocab[f"<|x{i}|>"] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
