@@ -269,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except KeyboardInterrupt:  # a second Ctrl-C (the first stops `train` at a step boundary): one line, no traceback
+        _ignore_further_ctrl_c()
         resumes = " (started again, the run resumes from its last checkpoint)" if args.command == "train" else ""
         print(f"polyrl {args.command}: aborted by Ctrl-C{resumes}", file=sys.stderr)
         return 130
@@ -288,6 +289,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"polyrl {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _ignore_further_ctrl_c() -> None:
+    """Once a command is aborted, a later SIGINT (a third Ctrl-C, or one that lands while the interpreter shuts
+    Ray down: by then Python has put back the default disposition, which kills the process) must not turn exit
+    code 130 into death by signal or a traceback half-way through the clean-up."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def worker_error(exc: BaseException) -> tuple[str, str, bool, str] | None:
