@@ -196,63 +196,48 @@ def run_polyrl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, 
             "phases": {k: v for k, v in phases.items() if v >= 0.005}}
 
 
+def limit_shapes(device: str) -> dict:
+    """What :func:`machine_limits` measures on ``device``: the wide and the skinny matmul ``(m, k, n, reps)`` and the
+    float32 elements of the copy (CPU: one core, 256 MiB, far beyond the caches; GPU: 8192^3, a decode step's
+    rows x 1024 x 4096, 1 GiB)."""
+    if device == "cpu":
+        return {"wide": (1024, 1024, 1024, 10), "skinny": (16, 512, 1536, 2000), "copy": (64 << 20, 5)}
+    return {"wide": (8192, 8192, 8192, 10), "skinny": (PROMPTS_PER_STEP * N, 1024, 4096, 200), "copy": (1 << 28, 20)}
+
+
 def machine_limits(precision: str = "float32", device: str = "cpu") -> dict[str, float]:
     """One core's (or the GPU's) measured limits: wide and skinny matmul FLOP/s in ``precision`` and memory
-    bandwidth (bytes/s)."""
+    bandwidth (bytes/s, read + write), at :func:`limit_shapes`."""
     import torch
 
-    if device != "cpu":
-        return gpu_limits(precision, device)
-    torch.set_num_threads(1)
+    if device == "cpu":
+        torch.set_num_threads(1)
     dtype = getattr(torch, precision)
-
-    def flops(m: int, k: int, n: int, reps: int) -> float:
-        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        a @ b
-        start = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        return 2 * m * k * n * reps / (time.perf_counter() - start)
-
-    x = torch.empty(64 << 20)  # 256 MiB, far beyond the caches
-    y = torch.empty_like(x)
-    y.copy_(x)
-    start = time.perf_counter()
-    for _ in range(5):
-        y.copy_(x)
-    bandwidth = 2 * x.numel() * 4 * 5 / (time.perf_counter() - start)  # read + write
-    return {"matmul_flops": flops(1024, 1024, 1024, 10), "skinny_flops": flops(16, 512, 1536, 2000),
-            "bandwidth": bandwidth}
-
-
-def gpu_limits(precision: str, device: str = "cuda") -> dict[str, float]:
-    """The GPU's measured limits: ``precision`` matmul FLOP/s at 8192^3 (wide) and at a decode step's shape (the batch's
-    rows x 1024 x 4096: skinny), and device-memory bandwidth (a 1 GiB copy, bytes read and written)."""
-    import torch
-
-    dtype = getattr(torch, precision)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
 
     def timed(fn, reps: int) -> float:
         fn()
-        torch.cuda.synchronize(device)
+        sync()
         start = time.perf_counter()
         for _ in range(reps):
             fn()
-        torch.cuda.synchronize(device)
+        sync()
         return (time.perf_counter() - start) / reps
 
     def flops(m: int, k: int, n: int, reps: int) -> float:
         a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
         return 2 * m * k * n / timed(lambda: a @ b, reps)
 
-    def bandwidth() -> float:
-        x = torch.empty(1 << 28, device=device)  # 1 GiB of float32
+    def bandwidth(numel: int, reps: int) -> float:
+        x = torch.empty(numel, device=device)
         y = torch.empty_like(x)
-        return 2 * x.numel() * 4 / timed(lambda: y.copy_(x), 20)
+        return 2 * numel * 4 / timed(lambda: y.copy_(x), reps)
 
-    out = {"matmul_flops": flops(8192, 8192, 8192, 10), "skinny_flops": flops(PROMPTS_PER_STEP * N, 1024, 4096, 200),
-           "bandwidth": bandwidth()}
-    torch.cuda.empty_cache()
+    shapes = limit_shapes(device)
+    out = {"matmul_flops": flops(*shapes["wide"]), "skinny_flops": flops(*shapes["skinny"]),
+           "bandwidth": bandwidth(*shapes["copy"])}
+    if device != "cpu":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -330,8 +315,9 @@ def main() -> None:
 
     all_limits = {p: machine_limits(p, args.device) for p in args.precision}
     for precision, limits in all_limits.items():
-        where, wide, skinny = (("one core", "1024^3", "16x512x1536") if args.device == "cpu" else
-                               (args.device, "8192^3", f"{PROMPTS_PER_STEP * N}x1024x4096"))
+        where = "one core" if args.device == "cpu" else args.device
+        wide, skinny = (f"{m}^3" if m == k == n else f"{m}x{k}x{n}"
+                        for m, k, n, _ in (limit_shapes(args.device)[key] for key in ("wide", "skinny")))
         print(f"{precision}, {where}: matmul {limits['matmul_flops'] / 1e9:.1f} GFLOP/s ({wide}), skinny "
               f"{limits['skinny_flops'] / 1e9:.1f} GFLOP/s ({skinny}), memory {limits['bandwidth'] / 1e9:.1f} GB/s",
               flush=True)
