@@ -300,6 +300,9 @@ def main() -> None:
                         help="both sides, each in turn: float32, or bf16 compute over float32 weights (TRL's "
                              "bf16=True; polyrl's actor.fsdp.param_dtype=bfloat16 with a bf16 rollout, verl's "
                              "defaults); with several, also each side's best against the other's best")
+    parser.add_argument("--keep-slow-precision", action="store_true",
+                        help="run a 16-bit --precision even where this CPU multiplies it over 2x slower than float32 "
+                             "(no AVX512-BF16 or AMX); by default it is skipped with a line saying so")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: one process a side on the GPU (--workers 1, the processes layout)")
     parser.add_argument("--prompts", type=int, default=PROMPTS_PER_STEP, help="prompts per step")
@@ -313,6 +316,19 @@ def main() -> None:
 
     from polyrl.data.synthetic import write_jsonl
 
+    if args.device == "cpu" and not args.keep_slow_precision:
+        import torch
+
+        from polyrl.platforms.precision import SLOWDOWN_LIMIT, cpu_matmul_slowdown
+
+        for name in [p for p in args.precision if p != "float32"]:
+            ratio = cpu_matmul_slowdown(getattr(torch, name))
+            if ratio > SLOWDOWN_LIMIT:  # no bf16 kernels (AVX2 only): hours for a measurement nobody would run
+                print(f"skipping {name}: a {name} product is {ratio:.0f}x slower than float32 on this CPU "
+                      f"(docs/platforms.md#16-bit-dtypes-on-a-cpu; --keep-slow-precision runs it)", flush=True)
+                args.precision.remove(name)
+        if not args.precision:
+            parser.error("no --precision left to run on this CPU (float32 is always fast here)")
     all_limits = {p: machine_limits(p, args.device) for p in args.precision}
     for precision, limits in all_limits.items():
         where = "one core" if args.device == "cpu" else args.device

@@ -535,6 +535,26 @@ def _long_prompt_batch(prompt_tokens: int, rows: int = 4):
     return b
 
 
+def test_a_slow_param_dtype_on_this_cpu_is_warned_about(model_dir, monkeypatch, caplog):
+    """``actor.fsdp.param_dtype=bfloat16`` on a CPU that multiplies bf16 far slower than float32 (an AVX2-only host
+    measured 50x; the probe's result is set here, polyrl.platforms.precision's own tests measure it): one warning
+    naming the key and the fix when the model is set up; none for float32."""
+    import logging
+
+    from polyrl.platforms import precision
+    from polyrl_engine_fsdp.config import FSDPConfig
+
+    monkeypatch.setattr(precision, "_SLOWDOWN", {torch.bfloat16: 50.0})
+    monkeypatch.setattr(precision, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="polyrl.platforms"):
+        make_engine(str(model_dir), plugin_config=FSDPConfig(fsdp_size=1))
+        assert not [r for r in caplog.records if r.name == "polyrl.platforms"]
+        make_engine(str(model_dir), plugin_config=FSDPConfig(fsdp_size=1, param_dtype="bfloat16"))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "polyrl.platforms"]
+    assert len(warnings) == 1 and warnings[0].startswith("actor.fsdp.param_dtype=bfloat16: ")
+    assert "set actor.fsdp.param_dtype=float32" in warnings[0]
+
+
 def test_bf16_on_whole_copies_is_autocast(model_dir):
     """``fsdp_size=1`` with ``param_dtype=bfloat16``: a whole model per rank (no FSDP wrapping) whose forward runs
     under autocast with its attention in float32 (on a CPU), its residual stream and its norms' outputs in bf16 (as

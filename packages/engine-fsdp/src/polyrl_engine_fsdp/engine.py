@@ -40,6 +40,7 @@ from polyrl.distributed import ensure_process_group
 from polyrl.errors import CheckpointError, ConfigError
 from polyrl.lr_schedules import build_lr_scheduler
 from polyrl.models.paths import check_model_path
+from polyrl.platforms.precision import warn_if_slow_dtype
 from polyrl.protocols import INFERENCE_ROLES, ForwardProducts, LossScale
 from polyrl_engine_fsdp.activation_offload import offload_activations
 from polyrl_engine_fsdp.config import FSDPConfig, check_choice, torch_dtype
@@ -445,6 +446,8 @@ class FSDPEngine:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+        warn_if_slow_dtype(torch_dtype(self.fsdp.param_dtype, ""), self.device,
+                           f"{self.role}.{self.config_section}.param_dtype")
         shard_ranks = self._shard_ranks()
         # One rank per shard and nothing FSDP-specific asked for: a plain module on every rank (DDP-like).
         # fully_shard over one rank would only add a copy-in/copy-out of every layer per pass.

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from polyrl.models.kv_cache import cache_kwargs, new_cache
+from polyrl.platforms.precision import warn_if_slow_dtype
 from polyrl.protocols import GenerationRequest, GenerationResult, RolloutCapabilities, SamplingParams
 from polyrl.rollout.decode import StaticDecoder, supports
 from polyrl.rollout.limits import check_model_length
@@ -41,6 +42,7 @@ class HFRollout:
         self.tokenizer = tokenizer
         self.device = platform.current_device() if platform is not None else torch.device("cpu")
         dtype = getattr(torch, getattr(config, "dtype", "float32"))
+        warn_if_slow_dtype(dtype, self.device, "rollout.dtype")
         self.model = _load_model(model_path, dtype).to(self.device).eval()
         #: A vision-language model's image token and patch merge (``None``: a text-only model).
         self.vision = _vision_tokens(self.model.config)
