@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -56,12 +57,7 @@ class Tracker:
                  config: dict[str, Any] | None = None, resume: bool = False) -> None:
         self.run_dir = Path(run_dir)
         self.backends = list(backends)
-        unknown = [b for b in self.backends if b not in _BACKENDS]
-        if unknown:
-            raise ConfigError(f"trainer.logger: unknown logger {unknown}; choose from {', '.join(_BACKENDS)}")
-        for name in ("tensorboard", "wandb", "mlflow"):
-            if name in self.backends:
-                _require(name)
+        check_loggers(self.backends)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._config = dict(config or {})
         self._resume = resume
@@ -244,14 +240,27 @@ def _markdown_table(columns: list[str], data: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
+def check_loggers(backends: Sequence[str]) -> None:
+    """Raise a one-line :class:`~polyrl.errors.ConfigError` naming ``trainer.logger`` when a backend is unknown or
+    its package is not installed. A start-up check (``polyrl train --dry-run`` makes it): verl's default logger list
+    holds ``wandb``, which a run would otherwise stop on only when it opens its loggers."""
+    unknown = [b for b in backends if b not in _BACKENDS]
+    if unknown:
+        raise ConfigError(f"trainer.logger: unknown logger {', '.join(map(repr, unknown))}; choose from "
+                          f"{', '.join(_BACKENDS)}")
+    for name in ("tensorboard", "wandb", "mlflow"):
+        if name in backends:
+            _require(name)
+
+
 def _require(name: str) -> None:
     """Import ``name``'s library or raise a ConfigError with the install line."""
     try:  # torch's SummaryWriter needs the tensorboard package
         importlib.import_module({"tensorboard": "torch.utils.tensorboard"}.get(name, name))
     except ImportError:
         raise ConfigError(
-            f"trainer.logger asks for '{name}', which is not installed: "
-            f"pip install 'polyrl[{name}]' (or pip install {_PIP[name]})"
+            f"trainer.logger asks for '{name}', which is not installed: pip install 'polyrl[{name}]' "
+            f"(or pip install {_PIP[name]}), or remove it from trainer.logger"
         ) from None
 
 

@@ -66,6 +66,18 @@ def head_rows(path: str | Path, n: int, plugins: Any = None) -> list[dict]:
     return load_rows(path, plugins)[:n]
 
 
+#: Columns that usually hold the prompt in other data sets (GSM8K, MATH, Alpaca...), in the order they are suggested.
+_PROMPT_COLUMNS = ("question", "problem", "query", "instruction", "input", "messages", "text")
+
+
+def _prompt_key_hint(row: dict) -> str:
+    """What to set when a row has no ``prompt``: ``data.prompt_key=<a column that looks like one>``."""
+    for name in _PROMPT_COLUMNS:
+        if isinstance(row.get(name), (str, list)) and row[name]:
+            return f"set data.prompt_key={name} if that column holds the prompt"
+    return "set data.prompt_key to the column that holds the prompt"
+
+
 def validate_row(row: Any, source: str, i: int) -> None:
     """Raise ``DataError`` naming the file, row and key when ``row`` is not in verl's format."""
     where = f"{source} row {i}"
@@ -73,7 +85,8 @@ def validate_row(row: Any, source: str, i: int) -> None:
         raise DataError(f"{where}: a row must be a mapping, got {type(row).__name__}")
     prompt = row.get("prompt")
     if prompt is None:
-        raise DataError(f"{where}: missing key 'prompt' (a list of chat messages); the row has {sorted(row)}")
+        raise DataError(f"{where}: missing key 'prompt' (a list of chat messages); the row has {sorted(row)}: "
+                        f"{_prompt_key_hint(row)}")
     if isinstance(prompt, str):
         return
     if not isinstance(prompt, (list, tuple)) or not prompt:

@@ -99,9 +99,11 @@ class SFTTrainer:
         from transformers import AutoTokenizer
 
         from polyrl.data import load_rows
+        from polyrl.tracking import check_loggers
         from polyrl.trainer.executor import resolve_executor
 
         resolve_executor(config)  # auto -> local or ray, before anything loads
+        check_loggers(config.trainer.logger)  # every logger's package, before the model and data load
         self.config = config
         self.manifest = manifest
         self.run_dir = Path(config.trainer.run_dir).expanduser().resolve()  # created (and locked) by fit()
