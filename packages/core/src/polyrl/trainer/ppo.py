@@ -499,14 +499,6 @@ class PPOTrainer:
         )
 
     # ------------------------------------------------------------------ the loop
-    def phase(self, name: str, kind: str = "worker_call", *, role: str = "") -> Any:
-        """A context manager running its body as phase ``name`` of a step, under the deadline of ``kind``
-        (``trainer.phase_timeouts.<kind>``, else ``trainer.phase_timeout_s``; :mod:`polyrl.controller.deadlines`).
-        A plugin trainer wraps its own phases in it (``with self.phase("images", "generation", role="rollout")``)."""
-        from polyrl.controller.deadlines import phase, phase_seconds
-
-        return phase(name, phase_seconds(self.config.trainer, kind), kind=kind, role=role)
-
     def fit(self) -> dict[str, float]:
         """Train for ``total_steps``; returns the last validation metrics (or the last step's).
 
@@ -553,8 +545,7 @@ class PPOTrainer:
                 raise
             try:
                 if resume_from is None:
-                    with self.phase("weight_sync", "weight_sync", role="actor -> rollout"):
-                        self.groups.sync_weights()
+                    self.groups.sync_weights()
                 if self.val_set is not None and cfg.trainer.val_before_train and resume_from is None:
                     last_val = self._run_validation()
                     tracker.log(last_val, self.global_step)
@@ -668,8 +659,7 @@ class PPOTrainer:
     def _run_validation(self) -> dict[str, float]:
         """:meth:`validate`, its generations collected afresh (see :meth:`record_validation`)."""
         self._val_rows = []
-        with self.phase("validation", "validation", role="rollout"):
-            return self.validate()
+        return self.validate()
 
     def _keep_validation(self, tracker: Any) -> None:
         """Write the last validation's generations (JSONL, media) and log the first ``log_val_generations`` rows as a
@@ -810,10 +800,10 @@ class PPOTrainer:
         reward_metrics: dict[str, list[float]] = defaultdict(list)
         while True:
             gen_rounds += 1
-            with _timer(timing, "gen"), self.phase("generation", "generation", role="rollout"):  # async: the wait
+            with _timer(timing, "gen"):  # async modes: the wait for samples generated meanwhile
                 # sync: self.generate_batch(self.next_rows(), n, ...); fully_async takes only the groups still missing
                 batch = self.rollout_source.next_batch(cfg.data.train_batch_size - kept_groups)
-            with _timer(timing, "reward"), self.phase("reward", "reward", role="reward"):
+            with _timer(timing, "reward"):
                 out = self.reward_fn(batch)
             batch["token_level_scores"] = out.token_level_scores.float()
             if self._dump_dir("train") is not None:  # the reward's extra columns ride along for the dump
@@ -855,7 +845,7 @@ class PPOTrainer:
             batch_ops.require_fields(batch, ["rollout_log_probs"], "algorithm.rollout_correction.bypass_mode")
             batch["old_log_probs"] = batch["rollout_log_probs"]  # bypass: the rollout's log-probs are the old ones
         if not self.skip_old_log_prob:
-            with _timer(timing, "old_log_prob"), self.phase("old_log_prob", role="actor"):
+            with _timer(timing, "old_log_prob"):
                 products = {"products": self.old_log_prob_products} if self.old_log_prob_products else {}
                 old = groups.actor.dispatch("compute_log_prob", batch_ops.engine_fields(batch), **products)
             batch["old_log_probs"] = old["log_probs"]
@@ -867,11 +857,11 @@ class PPOTrainer:
                 diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()
                 metrics["rollout/logprob_diff_mean"] = float(masked_mean(diff, mask))
         if self.use_ref:
-            with _timer(timing, "ref"), self.phase("ref_log_prob", role="ref"):
+            with _timer(timing, "ref"):
                 batch["ref_log_prob"] = groups.ref.dispatch("compute_ref_log_prob", batch_ops.engine_fields(batch))[
                     "log_probs"]
         if self.use_critic:
-            with _timer(timing, "values"), self.phase("values", role="critic"):
+            with _timer(timing, "values"):
                 batch["values"] = groups.critic.dispatch("compute_values", batch_ops.engine_fields(batch))["values"]
 
         # rewards (KL in reward) -> advantage estimator
@@ -908,15 +898,15 @@ class PPOTrainer:
         # critic update -> actor update
         tensors = batch_ops.engine_fields(batch)
         if self.use_critic:
-            with _timer(timing, "update_critic"), self.phase("update_critic", role="critic"):
+            with _timer(timing, "update_critic"):
                 metrics.update(_mean_of(groups.critic.dispatch("update_critic", tensors)))
         if not self.use_critic or self.global_step >= cfg.critic.warmup_steps:
-            with _timer(timing, "update_actor"), self.phase("update_actor", role="actor"):
+            with _timer(timing, "update_actor"):
                 metrics.update(_mean_of(groups.actor.dispatch("update_actor", tensors)))
 
         fault_point("update", self.global_step + 1)
         # weights_for_rollout -> rollout.update_weights
-        with _timer(timing, "weight_sync"), self.phase("weight_sync", "weight_sync", role="actor -> rollout"):
+        with _timer(timing, "weight_sync"):
             self.rollout_source.push_weights()  # sync: groups.sync_weights()
 
         metrics.update(self.rollout_source.end_step(self.global_step + 1, batch))  # async: staleness, sample ids
@@ -924,8 +914,7 @@ class PPOTrainer:
         if directory is not None:  # what was trained, token for token (trainer.rollout_data_dir)
             write_jsonl(directory / f"{self.global_step + 1}.jsonl",
                         self.generation_rows(batch, step=self.global_step + 1, kind="train"))
-        with self.phase("memory_stats"):
-            metrics.update(groups.memory_metrics())  # perf/<group>/...: each worker group's Platform.memory_stats
+        metrics.update(groups.memory_metrics())  # perf/<group>/...: each worker group's Platform.memory_stats
         metrics.update(self.batch_metrics(batch))
         metrics.update(agent_metrics(batch))
         timing["step"] = time.perf_counter() - t_step
@@ -1023,8 +1012,7 @@ class PPOTrainer:
             self.groups.save_checkpoint(path)
             snapshot.write(path)
 
-        with self.phase("checkpoint", "checkpoint"):
-            return self.ckpt.save(self.global_step, save_all, state)
+        return self.ckpt.save(self.global_step, save_all, state)
 
     def _torch_rng(self) -> list[int]:
         # The driver computes on the CPU only; each engine saves its device's RNG through its platform.
@@ -1032,8 +1020,7 @@ class PPOTrainer:
 
     def _load(self, path: Path) -> None:
         state = read_state(path)
-        with self.phase("load_checkpoint", "checkpoint"):
-            self.groups.load_checkpoint(str(path))
+        self.groups.load_checkpoint(str(path))
         self.global_step = state["global_step"]
         self.loader.load_state_dict(state["loader"])
         self._iter = iter(self.loader)
@@ -1043,8 +1030,7 @@ class PPOTrainer:
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         if self.kl_ctrl is not None and state.get("kl_coef") is not None:
             self.kl_ctrl.value = state["kl_coef"]
-        with self.phase("weight_sync", "weight_sync", role="actor -> rollout"):
-            self.groups.sync_weights()
+        self.groups.sync_weights()
         log.info("resumed from %s at step %d", path, self.global_step)
 
 
