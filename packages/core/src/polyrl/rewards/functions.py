@@ -148,11 +148,15 @@ def _verified(solution: str, truth: str) -> bool:
 
 
 def math_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict:
-    """MATH (``lighteval/MATH``, MATH-500...): the response's answer (its last ``\\boxed{}``, or an expression)
-    is checked against the ground truth by ``math-verify`` (symbolic equality), in a child process with a
-    time limit (:mod:`polyrl.rewards.math_verifier`)."""
+    """MATH (``lighteval/MATH``, MATH-500...): the response's answer is checked against the ground truth by
+    ``math-verify`` (symbolic equality), in a child process with a time limit (:mod:`polyrl.rewards.math_verifier`).
+
+    The answer is the response's last ``\\boxed{}`` (as verl's MATH scorer reads it: a response that corrects
+    itself, "\\boxed{7}. No wait, \\boxed{8}.", answers 8); a response without one is parsed whole, as an
+    expression or LaTeX."""
     truth = last_boxed(str(ground_truth)) or str(ground_truth)
-    correct = _verified(solution_str, truth)
+    boxed = last_boxed(solution_str)
+    correct = _verified(solution_str if boxed is None else "\\boxed{" + boxed + "}", truth)
     return {"score": float(correct), "acc": float(correct)}
 
 
