@@ -243,6 +243,9 @@ def agent_metrics(batch: TensorDict) -> dict[str, float]:
         **({"agent/parse_errors/total": float(batch["parse_errors"].sum()),
             "agent/tool_timeouts/total": float(batch["tool_timeouts"].sum()),
             "agent/tools_hung": float(batch["tools_hung"].max())} if "tools_hung" in batch.keys() else {}),
+        # a loop's own counters: a numeric AgentLoopOutput.extra named agent_<name> is summed over the batch
+        **{f"agent/{key[6:]}/total": float(batch[key].float().sum()) for key in sorted(batch.keys())
+           if isinstance(key, str) and key.startswith("agent_") and batch[key].dim() == 1},
     }
 
 

@@ -241,6 +241,27 @@ class AlgorithmConfig:
 
 
 @dataclass
+class OpenAIAgentConfig:
+    """The ``openai_agent`` loop: an agent program trained through a local OpenAI API (docs/agents.md)."""
+
+    #: The agent program: ``pkg.mod:fn`` or ``path/to/file.py:fn``, called as ``fn(client_kwargs, row)`` (sync or
+    #: async) and returning the reward (a number, or a dict with ``reward``).
+    run: str = ""
+    #: What an episode trains: ``merged`` (the longest prefix-consistent chain of calls, one sequence) or
+    #: ``per_call`` (one sample per call; through the library API, not yet through the trainer).
+    samples: str = "merged"
+    #: Wall-clock seconds a program may run; past it its key is revoked and the episode counts as timed out.
+    timeout_s: float = 300.0
+    #: A failed episode (raised, timed out, never called the model, returned a non-number): ``score`` (train it
+    #: with ``error_score``) or ``drop`` (its tokens masked out: it trains nothing).
+    on_error: str = "score"
+    #: The reward of a failed episode.
+    error_score: float = 0.0
+    #: Most chat completions per episode (more get HTTP 429).
+    max_calls: int = 32
+
+
+@dataclass
 class AgentConfig:
     """Agent loops and their tools (docs/agents.md): the ``agent:`` block, given to every agent loop."""
 
@@ -266,6 +287,7 @@ class AgentConfig:
     tool_reward: str = "sum"
     #: Factor on the summed tool rewards.
     tool_reward_coef: float = 1.0
+    openai_agent: OpenAIAgentConfig = field(default_factory=OpenAIAgentConfig)
 
 
 @dataclass
@@ -481,6 +503,7 @@ __all__ = [
     "FilterGroupsConfig",
     "KLControlConfig",
     "ModelConfig",
+    "OpenAIAgentConfig",
     "OptimConfig",
     "PolicyLossConfig",
     "PolyrlConfig",
