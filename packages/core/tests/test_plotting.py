@@ -42,3 +42,16 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, capsys, monkey
     err = capsys.readouterr().err
     assert "matplotlib" in err and "pip install 'polyrl[plot]'" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.timeout(120)
+def test_plot_of_extreme_values_draws_in_bounded_time(tmp_path):
+    """One-ulp ranges (a resumed run's constant lr), values at the float range's ends, NaN and inf (issue 47):
+    matplotlib's tick locator fails on a span that overflows a float, so such values are drawn at 1e300."""
+    pytest.importorskip("matplotlib")
+    rows = [{"step": 1, "critic/score/mean": 0.0001, "acc/mean": 1e308, "actor/ppo_kl": 5.0},
+            {"step": 2, "critic/score/mean": 9.999999999999999e-05, "acc/mean": -1e308, "actor/ppo_kl": float("inf")},
+            {"step": 3, "critic/score/mean": 0.0001, "acc/mean": float("nan"), "actor/ppo_kl": 5e-324}]
+    run = _run_dir(tmp_path, rows)
+    assert main(["plot", str(run)]) == 0
+    assert (run / "curves.png").stat().st_size > 10_000

@@ -9,13 +9,29 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from polyrl.cli import main
-from polyrl.report import MAX_POINTS, read_generations, render_report, write_report
+from polyrl.errors import DataError
+from polyrl.report import (
+    MAX_KEPT,
+    MAX_POINTS,
+    MetricsReader,
+    ReportWriter,
+    axis_limits,
+    axis_ticks,
+    read_generations,
+    render_report,
+    svg_panel,
+    write_report,
+)
 
 ARTIFACTS = Path(__file__).resolve().parents[3] / "test-artifacts"
 #: The first curve colour (#1f77b4) and the grid image's colour, as RGB.
@@ -181,3 +197,103 @@ def test_generations_from_the_configured_folder(tmp_path):
     (run / "generations" / "validation").mkdir(parents=True)
     (run / "generations" / "validation" / "5.jsonl").write_text(json.dumps({"step": 5, "prompt": "q"}) + "\n")
     assert list(read_generations(run)) == [5]
+
+
+# ---------------------------------------------------------------------- bounded whatever the data (issue 47)
+
+_any_float = st.floats(allow_nan=True, allow_infinity=True)
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=400, deadline=200)  # ms per example: a tick loop that does not advance fails here
+@given(lo=_any_float, hi=_any_float, count=st.integers(0, 12))
+def test_ticks_are_few_ordered_and_inside_the_range_for_any_floats(lo, hi, count):
+    ticks = axis_ticks(lo, hi, count)
+    assert len(ticks) <= 3 * max(2, count) + 1
+    assert all(np.isfinite(ticks)) and ticks == sorted(set(ticks))
+    if ticks:
+        tol = 1e-6 * max(abs(lo), abs(hi))
+        assert lo - tol <= ticks[0] and ticks[-1] <= hi + tol
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=200, deadline=500)
+@given(values=st.lists(st.floats(allow_nan=False, allow_infinity=False), min_size=1, max_size=50),
+       first_step=st.integers(-(2**53), 2**53 - 100))
+def test_a_panel_of_any_finite_values_is_small_and_drawable(values, first_step):
+    lo, hi = axis_limits(min(values), max(values))
+    assert np.isfinite([lo, hi]).all() and lo < hi and lo <= min(values) and max(values) <= hi
+    svg = svg_panel("p", {"m": [(float(first_step + i), v) for i, v in enumerate(values)]})
+    coords = [float(c) for c in re.findall(r'(?:cx|cy|x1|x2|y1|y2)="(-?[\d.]+|[^"]*)"', svg)]
+    assert coords and all(-1 <= c <= 430 for c in coords), "a point is drawn outside the chart"
+    assert len(svg) < 40_000
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=60, deadline=2000)
+@given(rows=st.lists(st.fixed_dictionaries({"step": st.integers(-5, 10**20)}, optional={
+    "actor/lr": st.one_of(_any_float, st.integers(-(10**400), 10**400), st.booleans(), st.text(max_size=3),
+                          st.none()),
+    "critic/score/mean": _any_float, "val/x/mean@1": st.sampled_from([0.0001, 9.999999999999999e-05, 1e-300])}),
+    min_size=1, max_size=30))
+def test_any_metrics_file_renders_in_bounded_time(rows, tmp_path_factory):
+    run = tmp_path_factory.mktemp("fuzz")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 99, "cut')
+    try:
+        page = render_report(run)
+    except DataError as exc:  # no row with a usable step
+        assert "no metrics yet" in str(exc)
+        return
+    assert page.endswith("</html>\n") and len(page) < 200_000
+
+
+def test_a_one_ulp_range_is_drawn_at_once(tmp_path):
+    """A resumed run's constant lr, logged as 0.0001 and then 9.999999999999999e-05 (issue 47): the old tick loop
+    never advanced over the one-ulp span and grew until the kernel killed the process. Run in a child with a memory
+    and a time limit, so that a regression fails here instead of taking the machine."""
+    run = tmp_path / "resumed"
+    run.mkdir()
+    rows = [{"step": s, "actor/lr": 0.0001 if s <= 3 else 9.999999999999999e-05} for s in range(1, 7)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+            "from polyrl.report import write_report; print(write_report(sys.argv[1]))")
+    done = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    page = (run / "report.html").read_text()
+    panel = page[page.index("<h3>actor/lr</h3>"):]
+    ticks = re.findall(r'text-anchor="end" fill="#57606a">([^<]+)</text>', panel[:panel.index("</svg>")])
+    assert 2 <= len(ticks) <= 15 and "0.0001" in page, ticks
+
+
+def test_a_long_run_is_read_in_bounded_memory_and_incrementally(tmp_path):
+    run = tmp_path / "long"
+    run.mkdir()
+    n = 3 * MAX_KEPT
+    with open(run / "metrics.jsonl", "w") as f:
+        for s in range(1, n + 1):
+            f.write(json.dumps({"step": s, "critic/score/mean": s / n, "timing/step": 2.0, "x": float("nan")}) + "\n")
+    reader = MetricsReader(run)
+    series = reader.read()
+    score = series["critic/score/mean"]
+    assert len(score.points) <= MAX_KEPT and score.last == (n, 1.0) and score.best == (n, 1.0)
+    assert series["timing/step"].mean() == 2.0 and series["timing/step"].total == 2.0 * n
+    assert "x" not in series  # never finite
+    curve = score.curve()
+    assert curve[-1] == (float(n), 1.0) and [p[0] for p in curve] == sorted(p[0] for p in curve)
+    # the next read takes only the new lines; a step logged again (a resume) replaces the old value
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": n, "timing/step": 4.0}) + "\n" + '{"step": ')
+    offset = reader.offset
+    reader.read()
+    assert reader.offset > offset and series["timing/step"].total == 2.0 * n + 2.0  # n is kept: replaced
+    page = render_report(run, metrics=reader)
+    assert f"<b>{n}</b><span>last step</span>" in page and "training time" in page
+
+
+def test_a_report_that_cannot_be_written_is_one_warning(run_dir, caplog):
+    (run_dir / "report.html").mkdir()  # where the page goes is a folder: every write fails
+    writer = ReportWriter(run_dir)
+    with caplog.at_level("WARNING", logger="polyrl"):
+        assert [writer.write(live=True) for _ in range(5)] + [writer.write(live=False)] == [None] * 6
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "report.html" in warnings[0].getMessage() and "polyrl view" in warnings[0].getMessage()

@@ -1,6 +1,8 @@
 """``polyrl plot RUN_DIR``: PNG curves of a run's reward, accuracy, response length and KL.
 
-Drawing needs matplotlib, which is an extra: ``pip install 'polyrl[plot]'``.
+Drawing needs matplotlib, which is an extra: ``pip install 'polyrl[plot]'``. The metrics are read as the HTML
+report reads them (:class:`polyrl.report.MetricsReader`): in bounded memory, at most a few thousand points a
+curve, non-finite values left out.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from pathlib import Path
 from types import ModuleType
 
 from polyrl.errors import DataError, PolyrlError
-from polyrl.tracking import read_metrics
 
 #: What to run when matplotlib is missing.
 PLOT_INSTALL = "pip install 'polyrl[plot]'"
@@ -23,6 +24,10 @@ PANELS = [
     ("policy loss", ["actor/pg_loss", "sft/loss"]),
     ("throughput (tokens/s)", ["throughput/tokens_per_s"]),
 ]
+
+
+#: Values beyond this magnitude are drawn at it: matplotlib's tick locator fails on a span that overflows a float.
+PLOT_LIMIT = 1e300
 
 
 def _match(pattern: str, keys: list[str]) -> list[str]:
@@ -50,9 +55,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     Raises :class:`~polyrl.errors.PolyrlError` naming ``polyrl[plot]`` when matplotlib is not installed
     and :class:`~polyrl.errors.DataError` when the run logged none of the plotted metrics.
     """
+    from polyrl.report import MetricsReader
+
     plt = _pyplot()
-    rows = read_metrics(run_dir)
-    keys = sorted({k for r in rows for k in r})
+    series = MetricsReader(run_dir).read()
+    keys = sorted(series)
     panels = [(t, [k for p in pats for k in _match(p, keys)]) for t, pats in PANELS]
     panels = [(t, ks) for t, ks in panels if ks]
     if not panels:
@@ -62,7 +69,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig, axes = plt.subplots(nrows, cols, figsize=(11, 3.2 * nrows), squeeze=False)
     for ax, (title, ks) in zip(axes.flat, panels):
         for k in ks:
-            pts = [(r["step"], r[k]) for r in rows if k in r]
+            pts = [(x, min(max(y, -PLOT_LIMIT), PLOT_LIMIT)) for x, y in series[k].curve()]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if len(pts) < 30 else None, ms=3, label=k)
         ax.set_title(title)
         ax.set_xlabel("step")

@@ -20,9 +20,11 @@ from __future__ import annotations
 import base64
 import html
 import json
+import logging
 import math
 import os
 import re
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -56,21 +58,24 @@ MAX_POINTS = 400
 MAX_GEN_STEPS = 20
 MAX_GEN_ROWS = 16
 MAX_TEXT = 2000
-#: Images embedded (newest first); older ones are listed by path.
+#: Images embedded (newest first); older ones, and larger ones, are listed by path.
 MAX_IMAGES = 12
+MAX_IMAGE_BYTES = 4 << 20
 #: Folders of a run directory that hold no report material.
 _SKIP_DIRS = {"checkpoints", "ray", "tensorboard", "wandb", "mlruns", "mlflow", "profile", "hf", ".polyrl"}
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None, *, live: bool = False) -> Path:
+def write_report(run_dir: str | Path, out: str | Path | None = None, *, live: bool = False,
+                 metrics: MetricsReader | None = None) -> Path:
     """Write the run's HTML report (default ``RUN_DIR/report.html``) and return its path.
 
     ``live=True`` marks the page as written during a run: it reloads itself every 30 seconds in a
-    browser. Raises :class:`~polyrl.errors.DataError` when ``run_dir`` is not a run directory or has
-    no metrics yet. The file is replaced atomically, so a browser never reads half a page.
+    browser. ``metrics`` (a :class:`MetricsReader` of this run kept between calls) reads only the lines
+    written since the last call. Raises :class:`~polyrl.errors.DataError` when ``run_dir`` is not a run
+    directory or has no metrics yet. The file is replaced atomically, so a browser never reads half a page.
     """
     run = Path(run_dir)
-    page = render_report(run, live=live)
+    page = render_report(run, live=live, metrics=metrics)
     target = Path(out) if out else run / REPORT_FILE
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(page, encoding="utf-8")
@@ -78,41 +83,173 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, *, live: bo
     return target
 
 
-def render_report(run_dir: str | Path, *, live: bool = False) -> str:
+def render_report(run_dir: str | Path, *, live: bool = False, metrics: MetricsReader | None = None) -> str:
     """The report page of ``run_dir`` as one HTML string (see :func:`write_report`)."""
     run = Path(run_dir)
     if not run.is_dir():
         raise DataError(f"{run}: no such run directory (polyrl view takes the trainer.run_dir of a run)")
-    rows = _metrics(run)
+    reader = metrics or MetricsReader(run)
+    series = reader.read()
     config_text = _read_text(run / "config.yaml")
     generations = read_generations(run, config_text)
     images = find_images(run)
-    parts = [_head(run, live), _summary(run, rows, live), _curves(rows), _generations(generations),
+    parts = [_head(run, live), _summary(run, reader, live), _curves(series), _generations(generations),
              _images(run, images), _files(run, config_text), "</main></body></html>\n"]
     return "".join(parts)
+
+
+class ReportWriter:
+    """The trainer's report: rewritten during the run and at its end, never at the run's cost.
+
+    It keeps a :class:`MetricsReader`, so each rewrite reads only the new lines of ``metrics.jsonl``; a
+    failure to write is one warning, after which the run goes on without a report (``polyrl view RUN_DIR``
+    writes it afterwards).
+    """
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.metrics = MetricsReader(self.run_dir)
+        self.failed = False
+
+    def write(self, *, live: bool) -> Path | None:
+        """Write ``RUN_DIR/report.html``; None when it failed (now, or earlier in the run)."""
+        if self.failed:
+            return None
+        try:
+            return write_report(self.run_dir, live=live, metrics=self.metrics)
+        except Exception as exc:  # the report is a view of the run: the run goes on without it
+            self.failed = True
+            logging.getLogger("polyrl").warning(
+                "could not write %s (%s: %s); the run goes on without it (polyrl view %s writes it later)",
+                self.run_dir / REPORT_FILE, type(exc).__name__, exc, self.run_dir)
+            return None
 
 
 # ---------------------------------------------------------------------- reading the run directory
 
 
-def _metrics(run: Path) -> list[dict[str, Any]]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        raise DataError(f"{run} has no metrics.jsonl: not a polyrl run directory, or a run whose trainer.logger "
-                        "leaves out jsonl (add it: trainer.logger=[console,jsonl])")
-    by_step: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
+#: Points kept per metric while reading (evenly spaced in steps; the last one always kept). Bounds the memory
+#: and time of a report whatever the length of the run.
+MAX_KEPT = 4096
+#: Longest ``metrics.jsonl`` line read (a longer one is skipped).
+MAX_LINE = 1 << 20
+#: Steps outside this range are not a step counter (and do not fit a float): their lines are skipped.
+MAX_STEP = 1 << 53
+
+
+class Series:
+    """One metric's points, at most :data:`MAX_KEPT` of them: those whose step is a multiple of ``stride``
+    (doubled when full), plus the last, best and running total of every value seen."""
+
+    __slots__ = ("best", "count", "last", "points", "stride", "total")
+
+    def __init__(self) -> None:
+        self.points: dict[int, float] = {}
+        self.stride = 1
+        self.last: tuple[int, float] | None = None
+        self.best: tuple[int, float] | None = None
+        self.total = 0.0
+        self.count = 0
+
+    def add(self, step: int, value: float) -> None:
+        """Record ``value`` at ``step`` (a later value for the same step replaces the earlier one)."""
+        if step % self.stride == 0:
+            old = self.points.get(step)
+            if old is not None:  # a resumed run logs the steps after its checkpoint again: the later wins
+                self.total -= old
+                self.count -= 1
+            self.points[step] = value
+            if len(self.points) > MAX_KEPT:
+                self.stride *= 2
+                self.points = {s: v for s, v in self.points.items() if s % self.stride == 0}
+        last, best = self.last, self.best
+        if last is None or step >= last[0]:
+            self.last = (step, value)
+        if best is None or value > best[1]:
+            self.best = (step, value)
+        self.total += value
+        self.count += 1
+
+    def curve(self) -> list[tuple[float, float]]:
+        """The kept points in step order (the last one included), as floats."""
+        points = dict(self.points)
+        if self.last is not None:
+            points[self.last[0]] = self.last[1]
+        return [(float(s), points[s]) for s in sorted(points)]
+
+    def mean(self) -> float:
+        """The mean of the values seen."""
+        return self.total / max(1, self.count)
+
+
+class MetricsReader:
+    """Reads ``RUN_DIR/metrics.jsonl`` into one :class:`Series` per metric, in bounded memory.
+
+    Each :meth:`read` goes on from where the last one stopped (a line still being written is read next
+    time); a file that shrank (rewritten) is read again from its start.
+    """
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run = Path(run_dir)
+        self.path = self.run / "metrics.jsonl"
+        self._reset()
+
+    def _reset(self) -> None:
+        self.offset = 0
+        self.series: dict[str, Series] = {}
+        self.steps = Series()  # the step numbers themselves: first/last step
+
+    def read(self) -> dict[str, Series]:
+        """Every metric's series so far (``DataError`` when the run has none)."""
+        if not self.path.exists():
+            raise DataError(f"{self.run} has no metrics.jsonl: not a polyrl run directory, or a run whose "
+                            "trainer.logger leaves out jsonl (add it: trainer.logger=[console,jsonl])")
+        if self.path.stat().st_size < self.offset:
+            self._reset()
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            while True:
+                line = f.readline(MAX_LINE)
+                if not line.endswith(b"\n"):
+                    if len(line) < MAX_LINE:  # the end of the file, maybe in a line being written
+                        break
+                    while line and not line.endswith(b"\n"):  # a line too long to be metrics: skip it
+                        line = f.readline(MAX_LINE)
+                    self.offset = f.tell()
+                    continue
+                self.offset = f.tell()
+                self._add(line)
+        if self.steps.last is None:
+            raise DataError(f"{self.path} holds no metrics yet: the run has not logged a step")
+        return self.series
+
+    def _add(self, line: bytes) -> None:
         try:
             row = json.loads(line)
-        except ValueError:  # a line being written while we read (live report): the rest is still good
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            by_step.setdefault(row["step"], {}).update(row)
-    if not by_step:
-        raise DataError(f"{path} holds no metrics yet: the run has not logged a step")
-    return [by_step[s] for s in sorted(by_step)]
+        except ValueError:  # a line cut short by a crash: the rest is still good
+            return
+        if not isinstance(row, dict):
+            return
+        step = row.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or not -MAX_STEP <= step <= MAX_STEP:
+            return
+        self.steps.add(step, float(step))
+        series = self.series
+        for key, value in row.items():  # the hot loop of a long run's report: plain type tests, no calls
+            kind = type(value)
+            if kind is float:
+                if value - value != 0.0:  # nan or inf
+                    continue
+            elif kind is int and -1e308 <= value <= 1e308:
+                value = float(value)
+            else:
+                continue
+            if key == "step" or key == "time":
+                continue
+            found = series.get(key)
+            if found is None:
+                found = series[key] = Series()
+            found.add(step, value)
 
 
 def _read_text(path: Path) -> str | None:
@@ -279,28 +416,28 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}"
 
 
-def _summary(run: Path, rows: list[dict[str, Any]], live: bool) -> str:
-    steps = [r["step"] for r in rows]
+def _summary(run: Path, reader: MetricsReader, live: bool) -> str:
+    series = reader.series
     when = time.strftime("%Y-%m-%d %H:%M:%S")
     status = "running: this page reloads every 30 s" if live else "written by polyrl"
     header = (f"<header><h1>{html.escape(run.resolve().name)}</h1><div class=sub>{html.escape(str(run.resolve()))}"
               f" &middot; {status} &middot; {when}</div></header><main>")
-    facts: list[tuple[str, str]] = [("last step", str(max(steps)))]
+    last_step = reader.steps.last[0] if reader.steps.last is not None else "none"
+    facts: list[tuple[str, str]] = [("last step", str(last_step))]
     for key, label in (("critic/score/mean", "score (last step)"), ("acc/mean", "accuracy (last step)")):
-        value = next((r[key] for r in reversed(rows) if _finite(r.get(key))), None)
-        if value is not None:
-            facts.append((label, _fmt(value)))
-    val_keys = sorted({k for r in rows for k in r if k.startswith("val/") and k.endswith("mean@1")})
+        found = series.get(key)
+        if found is not None and found.last is not None:
+            facts.append((label, _fmt(found.last[1])))
+    val_keys = sorted(k for k in series if k.startswith("val/") and k.endswith("mean@1"))
     for key in val_keys[:3]:
-        points = [(r["step"], r[key]) for r in rows if _finite(r.get(key))]
-        if points:
-            best = max(points, key=lambda p: p[1])
+        best, last = series[key].best, series[key].last
+        if best is not None and last is not None:
             facts.append((f"best {key} (step {best[0]})", _fmt(best[1])))
-            facts.append((f"last {key} (step {points[-1][0]})", _fmt(points[-1][1])))
-    step_times = [r["timing/step"] for r in rows if _finite(r.get("timing/step"))]
-    if step_times:
-        facts.append(("mean step time", f"{sum(step_times) / len(step_times):.3g} s"))
-        facts.append(("training time", f"{sum(step_times):.4g} s"))
+            facts.append((f"last {key} (step {last[0]})", _fmt(last[1])))
+    step_time = series.get("timing/step")
+    if step_time is not None and step_time.count:
+        facts.append(("mean step time", f"{step_time.mean():.3g} s"))
+        facts.append(("training time", f"{step_time.total:.4g} s"))
     ckpts = sorted((run / "checkpoints").glob("step_*"), key=_step_of) if (run / "checkpoints").is_dir() else []
     if ckpts:
         facts.append(("last checkpoint", ckpts[-1].name))
@@ -309,7 +446,12 @@ def _summary(run: Path, rows: list[dict[str, Any]], live: bool) -> str:
 
 
 def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A real number a float holds (JSON's integers have no bound; booleans are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if isinstance(value, int):
+        return abs(value) <= 1e308
+    return math.isfinite(value)
 
 
 def _match(pattern: str, keys: Sequence[str]) -> list[str]:
@@ -319,8 +461,12 @@ def _match(pattern: str, keys: Sequence[str]) -> list[str]:
     return sorted(k for k in keys if regex.match(k))
 
 
-def _curves(rows: list[dict[str, Any]]) -> str:
-    keys = sorted({k for r in rows for k, v in r.items() if k not in ("step", "time") and _finite(v)})
+#: Most panels drawn under "every other metric" (a run logging thousands of keys lists the rest by name).
+MAX_OTHER_PANELS = 200
+
+
+def _curves(series: dict[str, Series]) -> str:
+    keys = sorted(series)
     used: set[str] = set()
     panels = []
     for title, patterns in PANELS:
@@ -328,18 +474,17 @@ def _curves(rows: list[dict[str, Any]]) -> str:
         ks = list(dict.fromkeys(ks))
         if ks:
             used.update(ks)
-            panels.append(_panel(title, {k: _series(rows, k) for k in ks}))
+            panels.append(svg_panel(title, {k: series[k].curve() for k in ks}))
     rest = [k for k in keys if k not in used]
     out = ["<h2>Curves</h2>"]
     out.append(f"<div class=grid>{''.join(panels)}</div>" if panels else "<p class=muted>no curve metrics yet</p>")
     if rest:
-        small = "".join(_panel(k, {k: _series(rows, k)}, height=150) for k in rest)
-        out.append(f"<details><summary>every other metric ({len(rest)})</summary><div class=grid>{small}</div></details>")
+        small = "".join(svg_panel(k, {k: series[k].curve()}, height=150) for k in rest[:MAX_OTHER_PANELS])
+        unlisted = rest[MAX_OTHER_PANELS:]
+        more = (f"<p class=muted>not drawn: {html.escape(', '.join(unlisted))}</p>" if unlisted else "")
+        out.append(f"<details><summary>every other metric ({len(rest)})</summary><div class=grid>{small}</div>"
+                   f"{more}</details>")
     return "".join(out)
-
-
-def _series(rows: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
-    return [(float(r["step"]), float(r[key])) for r in rows if _finite(r.get(key))]
 
 
 def _thin(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -349,61 +494,87 @@ def _thin(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [points[int(i * stride)] for i in range(MAX_POINTS - 1)] + [points[-1]]
 
 
-def _ticks(lo: float, hi: float, count: int = 5) -> list[float]:
-    """About ``count`` round numbers spanning ``[lo, hi]``."""
-    span = hi - lo
-    raw = span / max(1, count - 1)
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    first = math.ceil(lo / step - 1e-9) * step
-    out = []
-    value = first
-    while value <= hi + step * 1e-9:
-        out.append(0.0 if abs(value) < step * 1e-9 else value)
-        value += step
-    return out
+#: Largest finite float; axis limits are clamped to it.
+_FLOAT_MAX = sys.float_info.max
 
 
-def _panel(title: str, series: dict[str, list[tuple[float, float]]], *, width: int = 430, height: int = 210) -> str:
+def axis_limits(lo: float, hi: float) -> tuple[float, float]:
+    """Axis limits for data in ``[lo, hi]``: a margin around it, and a visible width when the data is constant or
+    its range is below what a float resolves at its magnitude (``1e-4`` against ``1e-4`` less one ulp)."""
+    scale = max(abs(lo), abs(hi))
+    if hi - lo <= scale * 1e-9:  # constant, or a range of a few ulps: centre it
+        mid = lo / 2 + hi / 2
+        pad = abs(mid) * 0.1 or 1.0
+        lo, hi = mid - pad, mid + pad
+    else:
+        pad = (hi / 2 - lo / 2) * 0.12  # halves: hi - lo overflows for data near the float range's ends
+        lo, hi = lo - pad, hi + pad
+    return max(lo, -_FLOAT_MAX), min(hi, _FLOAT_MAX)
+
+
+def axis_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    """About ``count`` round numbers in ``[lo, hi]``; at most ``3 * count`` whatever the input (none for a
+    range that is not finite and ordered, the two ends for one too narrow or wide for round steps)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)) or hi < lo:
+        return []
+    if hi == lo:
+        return [lo]
+    count = max(2, count)
+    raw = hi / (count - 1) - lo / (count - 1)  # the span over (count - 1), without hi - lo overflowing
+    if not raw > 0 or not math.isfinite(raw):
+        return [lo, hi]
+    mag = 10.0 ** math.floor(math.log10(raw))
+    step = next((m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw), 0.0)
+    if not 0 < step < math.inf:
+        return [lo, hi]
+    first, last = math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9)
+    if not 0 <= last - first <= 3 * count:  # steps below the floats' resolution at this magnitude
+        return [lo, hi]
+    out: list[float] = []
+    for k in range(first, last + 1):
+        value = k * step
+        if math.isfinite(value) and (not out or value > out[-1]):
+            out.append(value)
+    return out or [lo, hi]
+
+
+def svg_panel(title: str, series: dict[str, list[tuple[float, float]]], *, width: int = 430, height: int = 210) -> str:
     """One chart: an inline SVG with axes, ticks, one polyline per series, and a legend below."""
     left, right, top, bottom = 56, 12, 8, 26
+    series = {name: _thin(points) for name, points in series.items() if points}
     pts = [p for s in series.values() for p in s]
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    x0, x1 = min(xs), max(xs)
-    y0, y1 = min(ys), max(ys)
+    if not pts:
+        return ""
+    x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
     if x1 == x0:
         x0, x1 = x0 - 1, x1 + 1
-    if y1 == y0:
-        pad = abs(y0) * 0.1 or 1.0
-        y0, y1 = y0 - pad, y1 + pad
-    else:
-        pad = (y1 - y0) * 0.06
-        y0, y1 = y0 - pad, y1 + pad
+    y0, y1 = axis_limits(min(p[1] for p in pts), max(p[1] for p in pts))
     plot_w, plot_h = width - left - right, height - top - bottom
 
     def sx(x: float) -> float:
         return left + (x - x0) / (x1 - x0) * plot_w
 
+    y_span = (y1 / 2 - y0 / 2) or 1.0  # in halves, so that no difference overflows
+
     def sy(y: float) -> float:
-        return top + (1 - (y - y0) / (y1 - y0)) * plot_h
+        return top + (1 - (y / 2 - y0 / 2) / y_span) * plot_h
 
     svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="100%" viewBox="0 0 {width} {height}" role="img" '
            f'aria-label="{html.escape(title)}" font-size="10" font-family="system-ui,sans-serif">',
            f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="#fff" stroke="#d0d7de"/>']
-    for t in _ticks(y0, y1):
+    for t in axis_ticks(y0, y1):
         y = sy(t)
         svg.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eaeef2"/>'
                    f'<text x="{left - 4}" y="{y + 3:.1f}" text-anchor="end" fill="#57606a">{_fmt(t)}</text>')
-    xt = [t for t in _ticks(x0, x1) if float(t).is_integer()] or [x0, x1]
+    xt = [t for t in axis_ticks(x0, x1) if float(t).is_integer()] or [x0, x1]
     for t in xt:
         x = sx(t)
         svg.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{top + plot_h}" stroke="#f3f4f6"/>'
                    f'<text x="{x:.1f}" y="{height - 12}" text-anchor="middle" fill="#57606a">{int(t)}</text>')
     svg.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 1}" text-anchor="middle" fill="#57606a">step</text>')
     legend = []
-    for i, (name, points) in enumerate(series.items()):
+    for i, (name, shown) in enumerate(series.items()):
         color = COLORS[i % len(COLORS)]
-        shown = _thin(points)
         coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in shown)
         if len(shown) > 1:
             svg.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.8" points="{coords}"/>')
@@ -411,7 +582,7 @@ def _panel(title: str, series: dict[str, list[tuple[float, float]]], *, width: i
             for x, y in shown:
                 svg.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.6" fill="{color}">'
                            f"<title>{html.escape(name)} @ step {int(x)}: {_fmt(y)}</title></circle>")
-        last = points[-1][1]
+        last = shown[-1][1]
         legend.append(f'<span><i style="background:{color}"></i>{html.escape(name)} '
                       f"<span class=muted>({_fmt(last)})</span></span>")
     svg.append("</svg>")
@@ -444,7 +615,7 @@ def _generations(generations: dict[int, list[dict[str, Any]]]) -> str:
         body = []
         for i, s in enumerate(samples[:MAX_GEN_ROWS]):
             score = s.get("score")
-            cls = "num good" if _finite(score) and score > 0 else "num"
+            cls = "num good" if _finite(score) and score is not None and score > 0 else "num"
             cells = [f"<td class=num>{i + 1}</td>", f"<td><pre>{_clip(s.get('prompt'))}</pre></td>",
                      f"<td><pre>{_clip(s.get('response'))}</pre></td>", f"<td class='{cls}'>{_fmt(score)}</td>"]
             cells += [f"<td>{_clip(s.get(k))}</td>" for k in extras]
@@ -465,6 +636,14 @@ def _images(run: Path, images: list[Path]) -> str:
     shown = list(reversed(images))[:MAX_IMAGES]
     figs = []
     for path in shown:
+        try:
+            size = path.stat().st_size
+        except OSError:
+            continue
+        if size > MAX_IMAGE_BYTES:
+            figs.append(f"<figure><figcaption>{html.escape(str(path.relative_to(run)))} ({size >> 20} MiB: not "
+                        "embedded)</figcaption></figure>")
+            continue
         data = base64.b64encode(path.read_bytes()).decode("ascii")
         rel = html.escape(str(path.relative_to(run)))
         figs.append(f'<figure><img alt="{rel}" src="data:image/png;base64,{data}"><figcaption>{rel}</figcaption></figure>')

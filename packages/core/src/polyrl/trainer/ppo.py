@@ -722,15 +722,14 @@ class PPOTrainer:
 
     def _write_report(self, *, live: bool) -> None:
         """``RUN_DIR/report.html`` (``polyrl view``), unless ``trainer.report_freq=0``; a failure to write it
-        is logged, never fatal to the run."""
+        is one warning, after which the run goes on without it (polyrl.report.ReportWriter)."""
         if not self.config.trainer.report_freq or "jsonl" not in self.config.trainer.logger:
             return
-        from polyrl.report import write_report
+        if getattr(self, "_report", None) is None:
+            from polyrl.report import ReportWriter
 
-        try:
-            write_report(self.run_dir, live=live)
-        except Exception as exc:  # the report is a view of the run: the run goes on without it
-            log.warning("could not write %s: %s", self.run_dir / "report.html", exc)
+            self._report = ReportWriter(self.run_dir)  # reads only the new metrics lines at each rewrite
+        self._report.write(live=live)
 
     def _resume_point(self) -> Path | None:
         """The checkpoint to continue from: intact (files verified) and trained with this config."""

@@ -195,12 +195,9 @@ class SFTTrainer:
             tracker.close()
             started.shutdown()
         if cfg.trainer.report_freq and "jsonl" in cfg.trainer.logger:
-            from polyrl.report import write_report
+            from polyrl.report import ReportWriter
 
-            try:
-                write_report(self.run_dir)
-            except Exception as exc:  # a view of the run, never fatal to it
-                logging.getLogger("polyrl").warning("could not write %s: %s", self.run_dir / "report.html", exc)
+            ReportWriter(self.run_dir).write(live=False)  # a view of the run: a failure is one warning
         logging.getLogger(__name__).info(
             "polyrl sft: finished %d steps in %.0fs; the model is in %s (train on it with model.path=%s)",
             self.total_steps, time.perf_counter() - began, self.run_dir / "hf", self.run_dir / "hf")
