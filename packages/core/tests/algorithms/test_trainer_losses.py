@@ -145,6 +145,19 @@ def test_verl_enum_and_module_paths():
     assert verl_F.get_response_mask(torch.tensor([[5, 2, 7, 2]]), eos_token=2).tolist() == [[1, 1, 0, 0]]
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_sum_pi_squared_keeps_the_logits_dtype(dtype):
+    """verl's calculate_sum_pi_squared_from_logits returns the input's dtype; float64 keeps float64's precision."""
+    from polyrl.algorithms import torch_functional as verl_F
+
+    logits = (torch.randn(3, 5, 11, dtype=torch.float64) * 4).to(dtype)
+    out = verl_F.calculate_sum_pi_squared_from_logits(logits)
+    assert out.dtype == dtype and out.shape == (3, 5)
+    exact = torch.softmax(logits.double(), -1).square().sum(-1)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    assert torch.allclose(out.double(), exact, atol=tol, rtol=0)
+
+
 def test_kl_loss_ignores_nan_in_padding():
     mbs, logps = _micro_batches(3)
     cfg = ActorConfig(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")

@@ -372,6 +372,18 @@ def test_signals_and_limits_are_told_apart(any_box):
     assert r.limit == "memory" and r.returncode == 1 and "MemoryError" in r.stdout and "256 MiB" in r.error
 
 
+def test_the_program_holds_no_descriptor_of_the_supervisor_and_cannot_forge_its_verdict(any_box):
+    """Issue 47: the program inherited fd 4, the write end of the supervisor's report pipe, and could write
+    'MemoryError' into it to be reported as having hit the memory limit."""
+    r = any_box.run("import os\nprint(sorted(int(f) for f in os.listdir('/proc/self/fd')))")
+    fds = eval(r.stdout)
+    assert r.ok and set(fds) - {0, 1, 2} <= {max(fds)}, r.stdout  # only stdio and the listing's own descriptor
+    forged = ("import os, sys\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'MemoryError')\n"
+              "    except OSError:\n        pass\nsys.exit(1)")
+    r = any_box.run(forged)
+    assert r.returncode == 1 and r.limit is None and r.error is None, r
+
+
 def test_output_at_the_limit_is_whole_and_longer_output_keeps_both_ends(any_box):
     r = any_box.run("import sys\nsys.stdout.write('y' * 100)")  # exactly max_output_bytes, no newline
     assert r.ok and r.stdout == "y" * 100 and not r.truncated and r.dropped_bytes == 0

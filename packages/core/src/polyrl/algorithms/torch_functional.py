@@ -102,9 +102,11 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_bac
 
 
 def calculate_sum_pi_squared_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """``sum_v pi_v^2`` per position (the optimal-token-baseline estimators' input), from logits."""
-    logits = logits.float()
-    return torch.exp(torch.logsumexp(2.0 * logits, dim=-1) - 2.0 * torch.logsumexp(logits, dim=-1))
+    """``sum_v pi_v^2`` per position (the optimal-token-baseline estimators' input), from logits, in the logits' dtype
+    (as verl's). 16-bit logits are summed in float32 first (a bf16 logsumexp over a vocabulary loses digits)."""
+    work = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    out = torch.exp(torch.logsumexp(2.0 * work, dim=-1) - 2.0 * torch.logsumexp(work, dim=-1))
+    return out.to(logits.dtype)
 
 
 def get_response_mask(response_id: torch.Tensor, eos_token: int | list[int] = 2,

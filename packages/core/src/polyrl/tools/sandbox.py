@@ -20,8 +20,9 @@ Each call runs in a fresh child process that
 
 **No process of a call outlives it.** The first Python process of the call is a small *supervisor*
 (:data:`_BOOT`), not the model's code: it forks the program, reaps whatever is orphaned to it, and reports
-the program's real wait status (exit code or signal, CPU time, uncaught exception type) on a pipe the
-program does not hold. With ``namespaces`` the supervisor is PID 1 of the call's PID namespace: when it
+the program's real wait status (exit code or signal, CPU time) on a pipe the program does not hold (the
+program holds no descriptor but its stdio; an uncaught ``MemoryError`` is told by the exit status
+:data:`MEMORY_ERROR_STATUS`, so a program can claim no more than what raising it would give). With ``namespaces`` the supervisor is PID 1 of the call's PID namespace: when it
 exits (right after the program's main process ends) or is killed (wall time), the kernel kills every other
 process of the namespace, whatever they did (``setsid``, double fork, ignored signals), before the call
 returns. The program cannot move or kill PID 1 (it is not its parent, signals from inside a namespace to
@@ -74,6 +75,9 @@ SANDBOX_UID = 65534
 #: The sandbox reads at most this many times ``max_output_bytes`` of output (keeping the first and last
 #: parts); a program that writes more is stopped (limit ``output``).
 OUTPUT_READ_FACTOR = 64
+#: The exit status the program's process ends with when it dies of an uncaught ``MemoryError`` (reported as exit
+#: status 1 and ``limit="memory"``, like a plain Python process that runs out of its address space).
+MEMORY_ERROR_STATUS = 213
 
 #: Root trainers only, in a private mount namespace without a user namespace (still the host's root, so it
 #: can reach a Python installed under a private home such as /root/.pyenv): binds the Python prefix ($1)
@@ -200,11 +204,9 @@ prctl(4, 0)  # PR_SET_DUMPABLE 0: the program cannot ptrace the supervisor or op
 if not CONFIG["namespaces"]:
     prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of the program (setsid, double fork) stay below us
     signal.signal(signal.SIGTERM, stop)  # the parent's "time is up": end every process of the call
-report_r, report_w = os.pipe()
 main = os.fork()
 if main == 0:
-    os.close(STATUS_FD)
-    os.close(report_r)
+    os.close(STATUS_FD)  # the program holds no descriptor of the supervisor's: it cannot write into the report
     prctl(4, 1)  # the program itself is dumpable as usual (its own /proc files); the supervisor stays not
     for sig in QUIET:
         signal.signal(sig, signal.SIG_DFL)
@@ -232,14 +234,10 @@ if main == 0:
         raise
     except BaseException as exc:  # the program's traceback, without this file's frame
         import traceback
-        try:
-            os.write(report_w, type(exc).__name__.encode()[:200])
-        except OSError:
-            pass
         traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
-        sys.exit(1)
+        # the only word from the program's process: its exit status (an uncaught MemoryError: MEMORY_ERROR_STATUS)
+        sys.exit(CONFIG["memory_error_status"] if isinstance(exc, MemoryError) else 1)
     sys.exit(0)
-os.close(report_w)
 devnull = os.open("/dev/null", os.O_RDWR)
 os.dup2(devnull, 1)  # only the program holds the output pipe
 report = {"stopped": False}
@@ -259,11 +257,6 @@ except Stop:
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if not CONFIG["namespaces"]:
     sweep(usage)
-os.set_blocking(report_r, False)
-try:
-    report["exception"] = os.read(report_r, 200).decode("utf-8", "replace")
-except OSError:
-    pass
 report["cpu_s"] = usage[0]
 os.write(STATUS_FD, repr(report).encode())
 os._exit(0)  # nothing to flush; skips the interpreter's teardown
@@ -455,7 +448,8 @@ class Sandbox:
 
     def _boot(self, status_fd: int, workdir: str, cgroup: str | None) -> str:
         config = {"status_fd": status_fd, "namespaces": self.isolation == "namespaces", "workdir": workdir,
-                  "cgroup": cgroup or "", "nproc": self.limits.max_processes, "nofile": self.limits.max_open_files}
+                  "cgroup": cgroup or "", "nproc": self.limits.max_processes, "nofile": self.limits.max_open_files,
+                  "memory_error_status": MEMORY_ERROR_STATUS}
         return f"CONFIG = {config!r}\n" + _BOOT
 
     def run(self, code: str) -> SandboxResult:
@@ -653,7 +647,8 @@ class Sandbox:
                 limit, error = None, f"killed by signal {name}"
             return SandboxResult(text, "", -sig, signal=sig, limit=limit, error=error, **common)
         code = os.WEXITSTATUS(raw)
-        if code != 0 and status.get("exception") == "MemoryError":
+        if code == MEMORY_ERROR_STATUS:
+            code = 1  # Python's own status for an uncaught exception
             return SandboxResult(text, "", code, limit="memory", **common, error=(
                 f"memory limit of {lim.memory_mb} MiB (address space) exceeded: the program died of MemoryError "
                 f"(exit status {code})"))
