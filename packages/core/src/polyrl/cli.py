@@ -1,5 +1,5 @@
 """The ``polyrl`` command line: ``train``, ``config``, ``sft``, ``export``, ``plot``, ``view``, ``profile``,
-``serve``, ``plugins``, ``new-plugin``.
+``serve``, ``models``, ``plugins``, ``new-plugin``.
 
 Errors that a user can fix (:class:`polyrl.errors.PolyrlError`) print as one
 message on stderr with exit code 2; ``--traceback`` or ``POLYRL_DEBUG=1`` shows
@@ -182,6 +182,25 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-args", help="more arguments for vLLM's server, one string: --vllm-args '--dtype float16'")
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    """Model files: ``convert FILE.gguf --to DIR`` writes a GGUF file as an HF folder (dequantized)."""
+    from polyrl.models.gguf import convert_gguf
+
+    out = convert_gguf(args.file, args.to, "FILE")
+    print(out)
+    return 0
+
+
+def _models_args(p: argparse.ArgumentParser) -> None:
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    convert = actions.add_parser("convert", help="write a .gguf file as an HF folder (safetensors in float32, "
+                                 "tokenizer, chat template), dequantized through transformers",
+                                 description="Write a .gguf file as an HF folder (safetensors in float32, tokenizer, "
+                                 "chat template), dequantized through transformers (docs/real_models.md).")
+    convert.add_argument("file", help="the .gguf file")
+    convert.add_argument("--to", required=True, help="the folder to write (replaced whole if it exists)")
+
+
 def cmd_new_plugin(args: argparse.Namespace) -> int:
     """Write a new plugin package (pyproject, hooks, component, tests) that passes its tests as generated."""
     from polyrl.plugin_template import create_plugin
@@ -219,10 +238,11 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str, Callable[[ar
         p.add_argument("run_dir"), p.add_argument("--step", type=int, help="one profiled step (default: every one)"),
         p.add_argument("--top", type=int, default=10, help="operators shown per process (default 10)"))),
     "serve": (cmd_serve, "an OpenAI-compatible server over a model, checkpoint or run", _serve_args),
+    "models": (cmd_models, "model files: convert a GGUF file to an HF folder", _models_args),
     "new-plugin": (cmd_new_plugin, "create a plugin package from a template", lambda p: (
         p.add_argument("name", help="the plugin's name, e.g. my-reward (the distribution becomes polyrl-my-reward)"),
         p.add_argument("--kind", "-k", required=True, choices=["engine", "rollout", "reward", "estimator", "platform",
-                                                              "tool"], help="what the plugin adds"),
+                                                              "tool", "environment"], help="what the plugin adds"),
         p.add_argument("--dest", "-d", default=".", help="folder to create the package in (default: here)"),
         p.add_argument("--description", help="one line for the package metadata and README"))),
     "plugins": (cmd_plugins, "list plugins, their hooks and registered names", lambda p: (

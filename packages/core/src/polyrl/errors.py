@@ -27,6 +27,13 @@ class DataError(PolyrlError, ValueError):
     """A dataset file or row polyrl cannot use; names the file and the row."""
 
 
+class ModelFetchError(PolyrlError):
+    """A model that could not be downloaded, or whose files do not hash to what they must."""
+
+    #: True when the download itself failed (no route to the package index), not the files.
+    network: bool = False
+
+
 class CheckpointError(PolyrlError, ValueError):
     """A checkpoint that is missing, partial, or from another model or world size."""
 

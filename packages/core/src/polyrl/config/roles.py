@@ -47,8 +47,11 @@ class ModelConfig:
     read and the weights are freshly initialised (seeded): tiny models for tests.
     """
 
-    #: A local HF model folder or a Hub id (``Qwen/Qwen2.5-0.5B``); required (``???`` means unset).
+    #: A local HF model folder, a Hub id (``Qwen/Qwen2.5-0.5B``) or a ``.gguf`` file; required (``???``: unset).
     path: str = "???"
+    #: A GGUF file inside the folder ``path`` (``path`` may also name the ``.gguf`` file itself): converted once to a
+    #: cached HF folder, dequantized, before any worker starts (docs/real_models.md).
+    gguf_file: str | None = None
     #: The tokenizer's folder or Hub id (``null``: the model's own, from ``path``).
     tokenizer_path: str | None = None
     #: Read only ``config.json`` from ``path`` and initialise the weights from ``actor.seed`` (tests, tiny models).

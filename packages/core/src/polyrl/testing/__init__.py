@@ -2,7 +2,8 @@
 
 Enable it in a test module or ``conftest.py`` with ``pytest_plugins = ["polyrl.testing"]``.
 It provides fixtures (:mod:`polyrl.testing.fixtures`: ``polyrl_plugin_manager``,
-``polyrl_plugins``, ``tiny_model_dir``, ``tiny_tokenizer``, ``tiny_vlm_dir``) and one conformance
+``polyrl_plugins``, ``tiny_model_dir``, ``tiny_tokenizer``, ``tiny_vlm_dir``, ``real_model_dir``,
+``real_model_gguf``) and one conformance
 base class per protocol (``polyrl.testing.conformance``); see docs/plugins/testing.md:
 
 ```python
@@ -23,6 +24,7 @@ pytest.register_assert_rewrite("polyrl.testing.conformance")
 from polyrl.testing.conformance.advantage import AdvantageEstimatorConformance  # noqa: E402
 from polyrl.testing.conformance.agent_loop import AgentLoopConformance  # noqa: E402
 from polyrl.testing.conformance.engine import EngineConformance  # noqa: E402
+from polyrl.testing.conformance.environment import EnvironmentConformance  # noqa: E402
 from polyrl.testing.conformance.platform import PlatformConformance  # noqa: E402
 from polyrl.testing.conformance.policy_loss import PolicyLossConformance  # noqa: E402
 from polyrl.testing.conformance.reward import RewardFunctionConformance, RewardManagerConformance  # noqa: E402
@@ -31,6 +33,8 @@ from polyrl.testing.fixtures import (  # noqa: E402
     PluginHarness,
     polyrl_plugin_manager,
     polyrl_plugins,
+    real_model_dir,
+    real_model_gguf,
     tiny_model_dir,
     tiny_tokenizer,
     tiny_vlm_dir,
@@ -66,9 +70,12 @@ __all__ = [
     "tiny_model_dir",
     "tiny_tokenizer",
     "tiny_vlm_dir",
+    "real_model_dir",
+    "real_model_gguf",
     "AdvantageEstimatorConformance",
     "AgentLoopConformance",
     "EngineConformance",
+    "EnvironmentConformance",
     "PlatformConformance",
     "PolicyLossConformance",
     "RewardFunctionConformance",

