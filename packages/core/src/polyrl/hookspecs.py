@@ -158,3 +158,13 @@ def register_sandboxes(register: RegisterFn) -> None:
     ``obj`` is a factory ``(config) -> CodeSandbox`` taking the run's ``reward`` block
     (:class:`polyrl.rewards.RewardConfig`); see :class:`polyrl.sandboxes.CodeSandbox`.
     """
+
+
+@hookspec
+def register_environments(register: RegisterFn) -> None:
+    """Register environments (kind ``environment``) the ``stepwise`` agent loop plays; a dataset row selects one
+    by ``extra_info.env``.
+
+    ``obj`` is a factory ``(config) -> Environment`` taking the row's ``extra_info.env_kwargs`` mapping; it is
+    called once per trajectory (see :class:`polyrl.protocols.Environment`).
+    """

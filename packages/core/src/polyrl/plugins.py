@@ -40,6 +40,7 @@ DEFAULT_PLUGINS: list[str] = [
     "polyrl.rewards.hooks",
     "polyrl.reward_models.hooks",
     "polyrl.sandboxes.hooks",
+    "polyrl.environments.hooks",
     "polyrl.data.hooks",
 ]
 

@@ -42,6 +42,7 @@ __all__ = [
     "AgentLoop",
     "AgentLoopOutput",
     "Engine",
+    "Environment",
     "ForwardProducts",
     "GenerationClient",
     "GenerationRequest",
@@ -476,8 +477,13 @@ class AgentLoop(Protocol):
 
     async def run(
         self, sample: Mapping[str, Any], sampling_params: SamplingParams, client: GenerationClient
-    ) -> AgentLoopOutput:
-        """Return one trajectory for ``sample`` (``sampling_params.n`` is 1 here)."""
+    ) -> AgentLoopOutput | list[AgentLoopOutput]:
+        """Return one trajectory for ``sample`` (``sampling_params.n`` is 1 here).
+
+        A loop that trains each step of a trajectory as its own sample (``stepwise``) returns a non-empty list,
+        one output per step, in order: each becomes a batch row carrying the sample's ``uid`` and row fields, and
+        an ``extra["step_index"]`` (0 on a trajectory's first row; set by the runner when the loop did not).
+        """
         ...
 
 
@@ -498,6 +504,36 @@ class Tool(Protocol):
 
     async def execute(self, arguments: dict[str, Any], sample: Mapping[str, Any]) -> ToolResult:
         """Run the tool; raise ``ValueError`` for bad arguments (shown to the model)."""
+        ...
+
+
+# --------------------------------------------------------------------------- environments
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """A text environment a step-wise agent loop plays, one instance per trajectory (never shared).
+
+    Built by the factory registered through ``register_environments`` as ``factory(config)`` (``config`` is the
+    row's ``extra_info.env_kwargs`` mapping). Either method may be ``async def``: the loop awaits a coroutine and runs
+    a plain method in a worker thread, under a deadline either way, so a slow environment never blocks the other
+    trajectories. Observations are text the history policy puts into the next prompt.
+    """
+
+    def reset(self, seed: int, row: Mapping[str, Any]) -> str:
+        """Start an episode from the state ``seed`` determines (the same seed: the same initial state; every
+        sample of one prompt row gets the row's seed) and return the first observation. ``row`` is the dataset
+        row (``extra_info`` and all)."""
+        ...
+
+    def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        """Apply ``action`` (the text the loop parsed from the model's turn) and return ``(observation, reward,
+        done, info)``. ``info`` may hold ``success`` (bool, counted in ``env/success_rate``). Raise ``ValueError``
+        for an action the environment cannot take: the loop ends the episode and counts it as malformed.
+
+        GiGPO groups the steps taken from identical *anchor* states: by default a state's key is the observation
+        text; an environment whose text does not identify its state may add a method ``state_key() -> Hashable``
+        (called after ``reset`` and after each ``step``)."""
         ...
 
 

@@ -35,6 +35,7 @@ HOOK_FOR_KIND: dict[str, str] = {
     "dataset": "register_datasets",
     "judge_parser": "register_judge_parsers",
     "sandbox": "register_sandboxes",
+    "environment": "register_environments",
 }
 KINDS: tuple[str, ...] = tuple(HOOK_FOR_KIND)
 

@@ -50,6 +50,10 @@ KINDS: dict[str, Kind] = {
                      "`hooks.py` to have it picked where it is available)."),
     "tool": Kind("tool", "tool", "tools", "tool", "The {registered} tool for polyrl agent loops.",
                  "List it in a run's `agent.tools` so agent loops may call it (see polyrl's docs/agents.md)."),
+    "environment": Kind("environment", "environment", "environments", "environment",
+                        "The {registered} environment for polyrl's stepwise agent loop.",
+                        "Rows with `agent_name: stepwise` and `extra_info.env: {registered}` play it (see polyrl's "
+                        "docs/environments.md)."),
 }
 
 #: A plugin name: lowercase words joined by dashes (``my-reward``); ``polyrl-`` in front is dropped.
