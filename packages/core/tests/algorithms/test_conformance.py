@@ -16,12 +16,15 @@ EXTRA_KWARGS = {
     "tir_optimal_token_baseline": {"old_log_probs": lambda b, r: -torch.rand(b, r),
                                    "sum_pi_squared": lambda b, r: torch.rand(b, r) * 0.5,
                                    "rollout_is_weights": lambda b, r: torch.rand(b, r) + 0.5},
+    # episodes of two steps; anchor states shared across episodes
+    "gigpo": {"step_rewards": lambda b, r: torch.rand(b), "anchor_key": lambda b, r: torch.arange(b) % 3,
+              "episode_id": lambda b, r: torch.arange(b) // 2, "step_index": lambda b, r: torch.arange(b) % 2},
 }
 
 
 @pytest.fixture(params=["gae", "grpo", "grpo_passk", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
                         "remax", "opo", "gpg", "grpo_vectorized", "rloo_vectorized", "gdpo", "optimal_token_baseline",
-                        "tir_optimal_token_baseline"])
+                        "tir_optimal_token_baseline", "gigpo"])
 def estimator_name(request):
     return request.param
 

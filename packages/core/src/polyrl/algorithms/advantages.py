@@ -497,6 +497,105 @@ def compute_multi_turn_optimal_token_baseline_advantage(
     return adv.to(dtype), returns.to(dtype)
 
 
+_GIGPO_FIELDS = ("step_rewards", "anchor_key", "episode_id", "step_index")
+
+
+def _episode_step_returns(step_rewards: torch.Tensor, episode: torch.Tensor, step_index: torch.Tensor,
+                          gamma: float) -> torch.Tensor:
+    """Each row's discounted return ``R_t = r_t + gamma R_{t+1}`` over the steps of its episode (rows of one
+    episode: the same ``episode`` id, ordered by ``step_index``; a step missing from the batch counts as reward 0).
+    Rows that share an episode and a step (padding copies) add their rewards."""
+    eid = group_ids(episode, episode.shape[0], step_rewards.device)
+    steps = step_index.to(device=step_rewards.device, dtype=torch.long)
+    if bool((steps < 0).any()):
+        raise ValueError("gigpo: step_index must be >= 0 (the step's position in its episode)")
+    table = torch.zeros(int(eid.max()) + 1, int(steps.max()) + 1, dtype=torch.float64, device=step_rewards.device)
+    table.index_put_((eid, steps), step_rewards.double(), accumulate=True)
+    running = torch.zeros(table.shape[0], dtype=torch.float64, device=table.device)
+    for t in reversed(range(table.shape[1])):  # over steps only; vectorised over the episodes
+        running = table[:, t] + gamma * running
+        table[:, t] = running
+    return table[eid, steps]
+
+
+def _episode_group_stats(scores: torch.Tensor, gid: torch.Tensor,
+                         episode: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row group mean and std with one score per *episode* (its first row's): the paper's Eq. 3."""
+    size = scores.shape[0]
+    eid = group_ids(episode, size, scores.device)
+    rows = torch.arange(size, device=scores.device)
+    first = torch.full((int(eid.max()) + 1,), size, dtype=torch.long, device=scores.device)
+    first = first.scatter_reduce(0, eid, rows, reduce="amin")
+    ep_gid = gid[first]
+    dense = torch.unique(ep_gid, return_inverse=True)[1]
+    mean_e, std_e, _ = group_stats(scores[first], dense)
+    n_groups = int(gid.max()) + 1
+    mean_g = torch.zeros(n_groups, dtype=torch.float64, device=scores.device).scatter(0, ep_gid, mean_e)
+    std_g = torch.ones(n_groups, dtype=torch.float64, device=scores.device).scatter(0, ep_gid, std_e)
+    return mean_g[gid], std_g[gid]
+
+
+@torch.no_grad()
+def compute_gigpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None,
+                                    config: Any = None, step_rewards: torch.Tensor | None = None,
+                                    anchor_key: torch.Tensor | None = None, episode_id: torch.Tensor | None = None,
+                                    step_index: torch.Tensor | None = None, epsilon: float = EPS,
+                                    step_advantage_w: float = 1.0, mode: str = "mean_norm",
+                                    episode_stats: str = "steps", gamma: float | None = None,
+                                    **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """GiGPO (Feng et al., NeurIPS 2025; verl-agent): ``A = A_episode + step_advantage_w * A_step`` per step row.
+
+    Every row is one environment step (the ``stepwise`` agent loop). ``A_episode``: the row's score (the sum of its
+    ``token_level_rewards``: the episode's return, which each of its rows carries) centred on its episode group
+    (``index``: the trajectories from one initial state), over every step row of the group (``episode_stats=
+    "steps"``, verl-agent's default) or over one score per episode (``"trajectories"``, the paper's Eq. 3).
+    ``A_step``: the row's discounted return ``R_t = sum_k gamma^k r_{t+k}`` (from ``step_rewards`` along
+    ``episode_id`` / ``step_index``; ``gamma`` defaults to ``config.gamma``) centred on its step group: the rows of
+    the same episode group whose state before the action had the same ``anchor_key``. ``mode``: ``mean_norm``
+    (centring only, verl-agent's default) or ``mean_std_norm`` (also divided by the group's unbiased std +
+    ``epsilon``). An episode group of one row gets mean 0 and std 1 (as GRPO); a step group of one row gets
+    ``A_step = 0``. ``step_advantage_w``, ``mode``, ``episode_stats`` come from ``algorithm.extra``.
+    """
+    missing = [name for name, value in zip(_GIGPO_FIELDS, (step_rewards, anchor_key, episode_id, step_index))
+               if value is None]
+    if missing:
+        raise ValueError(f"gigpo needs the batch fields {missing}: the step rows of an environment agent loop "
+                         "(agent_name: stepwise, docs/environments.md)")
+    if mode not in ("mean_norm", "mean_std_norm"):
+        raise ValueError(f"gigpo: algorithm.extra.mode={mode!r}: choose 'mean_norm' or 'mean_std_norm'")
+    if episode_stats not in ("steps", "trajectories"):
+        raise ValueError(f"gigpo: algorithm.extra.episode_stats={episode_stats!r}: choose 'steps' or 'trajectories'")
+    assert step_rewards is not None and anchor_key is not None and episode_id is not None and step_index is not None
+    scores = _check(token_level_rewards, response_mask)[1]
+    size = scores.shape[0]
+    for name, value in (("step_rewards", step_rewards), ("anchor_key", anchor_key), ("episode_id", episode_id),
+                        ("step_index", step_index)):
+        if value.shape != (size,):
+            raise ValueError(f"gigpo: {name} must be [batch] ({size},), got {tuple(value.shape)}")
+    if not bool(torch.isfinite(step_rewards).all()):
+        raise ValueError("gigpo: step_rewards holds NaN/inf")
+    std_norm = mode == "mean_std_norm"
+    gid = group_ids(index, size, scores.device)
+
+    if episode_stats == "steps":
+        mean, std, _ = group_stats(scores, gid)
+    else:
+        mean, std = _episode_group_stats(scores, gid, episode_id)
+    episode_adv = scores.double() - mean
+    if std_norm:
+        episode_adv = episode_adv / (std + epsilon)
+
+    discount = float(gamma if gamma is not None else cfg_get(config, "gamma", 1.0))
+    returns = _episode_step_returns(step_rewards, episode_id, step_index, discount)
+    pairs = torch.stack([gid, anchor_key.to(device=scores.device, dtype=torch.long)], dim=1)
+    step_gid = torch.unique(pairs, dim=0, return_inverse=True)[1]
+    s_mean, s_std, s_count = group_stats(returns, step_gid)
+    step_adv = torch.where(s_count > 1, returns - s_mean, torch.zeros_like(returns))
+    if std_norm:
+        step_adv = step_adv / (s_std + epsilon)
+    return _tile(episode_adv + float(step_advantage_w) * step_adv, response_mask, token_level_rewards.dtype)
+
+
 #: name -> function; registered by polyrl.algorithms.hooks
 BUILTIN_ESTIMATORS = {
     "gae": compute_gae_advantage_return,
@@ -504,6 +603,7 @@ BUILTIN_ESTIMATORS = {
     "grpo_vectorized": compute_grpo_vectorized_outcome_advantage,
     "grpo_passk": compute_grpo_passk_outcome_advantage,
     "gdpo": compute_gdpo_outcome_advantage,
+    "gigpo": compute_gigpo_outcome_advantage,
     "rloo": compute_rloo_outcome_advantage,
     "rloo_vectorized": compute_rloo_vectorized_outcome_advantage,
     "reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage,

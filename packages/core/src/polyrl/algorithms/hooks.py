@@ -25,6 +25,7 @@ _ESTIMATORS = {
     "grpo_vectorized": "compute_grpo_vectorized_outcome_advantage",
     "rloo_vectorized": "compute_rloo_vectorized_outcome_advantage",
     "gdpo": "compute_gdpo_outcome_advantage",
+    "gigpo": "compute_gigpo_outcome_advantage",
     "optimal_token_baseline": "compute_optimal_token_baseline_advantage",
     "tir_optimal_token_baseline": "compute_multi_turn_optimal_token_baseline_advantage",
 }
