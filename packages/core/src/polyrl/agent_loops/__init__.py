@@ -9,6 +9,7 @@ from polyrl.lazy import lazy_getattr
 if TYPE_CHECKING:
     from polyrl.agent_loops.runner import BatchingClient, agent_metrics, collate, fold_tool_rewards, run_agent_loops
     from polyrl.agent_loops.single_turn import SingleTurnAgentLoop
+    from polyrl.agent_loops.stepwise import StepwiseAgentLoop
     from polyrl.agent_loops.tool_agent import ToolAgentLoop
 
 # Imported on first use (PEP 562), so that loading the hooks module next to this package
@@ -18,6 +19,7 @@ _EXPORTS = {
     "collate": "polyrl.agent_loops.runner",
     "run_agent_loops": "polyrl.agent_loops.runner",
     "SingleTurnAgentLoop": "polyrl.agent_loops.single_turn",
+    "StepwiseAgentLoop": "polyrl.agent_loops.stepwise",
     "ToolAgentLoop": "polyrl.agent_loops.tool_agent",
     "agent_metrics": "polyrl.agent_loops.runner",
     "fold_tool_rewards": "polyrl.agent_loops.runner",
@@ -27,5 +29,5 @@ _EXPORTS = {
 __getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 
-__all__ = ["BatchingClient", "SingleTurnAgentLoop", "ToolAgentLoop", "agent_metrics", "collate",
-           "fold_tool_rewards", "run_agent_loops"]
+__all__ = ["BatchingClient", "SingleTurnAgentLoop", "StepwiseAgentLoop", "ToolAgentLoop",
+           "agent_metrics", "collate", "fold_tool_rewards", "run_agent_loops"]

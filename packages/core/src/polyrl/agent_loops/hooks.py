@@ -8,6 +8,8 @@ def register_agent_loops(register):
     register("single_turn", "polyrl.agent_loops.single_turn:SingleTurnAgentLoop", description="one generation")
     register("tool_agent", "polyrl.agent_loops.tool_agent:ToolAgentLoop",
              description="multi-turn generation with tool calls (agent.tools, agent.tool_parser)")
+    register("stepwise", "polyrl.agent_loops.stepwise:StepwiseAgentLoop",
+             description="plays a registered environment (extra_info.env), each step its own training sample")
     register("openai_agent", "polyrl.agent_loops.openai_agent:OpenAIAgentLoop",
              description="an agent program using the OpenAI API, through a local endpoint (agent.openai_agent)")
 

@@ -102,7 +102,11 @@ def _cut(result: GenerationResult, budget: int) -> GenerationResult:
 
 def run_agent_loops(samples: Sequence[Mapping[str, Any]], sampling_params: SamplingParams, client: Any,
                     loops: Mapping[str, Any], default: str = "single_turn") -> list[AgentLoopOutput]:
-    """One trajectory per sample (a row's ``agent_name`` picks its loop), in input order."""
+    """One trajectory per sample (a row's ``agent_name`` picks its loop), in input order.
+
+    A loop that returns a list (one output per step: ``stepwise``) contributes each of its outputs, in order;
+    then every output carries ``extra["step_index"]`` (0 on the first output of each sample: where a sample's
+    rows start, which :func:`sample_of_rows` reads back)."""
     for s in samples:
         name = s.get("agent_name") or default
         if name not in loops:
@@ -119,7 +123,38 @@ def run_agent_loops(samples: Sequence[Mapping[str, Any]], sampling_params: Sampl
     # (signal.getsignal -> enum lookup of a partial holding the finished task) builds the task's repr, result
     # included; with tensors in the outputs (image rollouts) that repr cost 0.3 s per call.
     asyncio.run(main())
-    return outputs
+    if not any(isinstance(o, list) for o in outputs):
+        return outputs
+    flat: list[AgentLoopOutput] = []
+    for j, out in enumerate(outputs):
+        steps = out if isinstance(out, list) else [out]
+        if not steps:
+            raise ValueError(f"agent loop '{samples[j].get('agent_name') or default}' returned no output for row uid "
+                             f"{samples[j].get('uid')}: a loop returns at least one")
+        for t, step in enumerate(steps):
+            step.extra.setdefault("step_index", torch.tensor(t, dtype=torch.long))
+            flat.append(step)
+    return flat
+
+
+def sample_of_rows(batch: TensorDict, n_samples: int) -> list[int] | None:
+    """For a batch generated for ``n_samples`` samples, the sample each row belongs to; None when there is one
+    row per sample (the usual case). Rows of one sample are consecutive and the first has ``step_index`` 0
+    (:func:`run_agent_loops`)."""
+    rows = batch.batch_size[0]
+    if "step_index" not in batch.keys():
+        if rows != n_samples:
+            raise ValueError(f"{rows} rows were generated for {n_samples} samples, and no 'step_index' field says "
+                             "which rows belong to which sample")
+        return None
+    starts = (batch["step_index"] == 0).nonzero().flatten().tolist()
+    if len(starts) == rows == n_samples:
+        return None
+    if len(starts) != n_samples or starts[:1] != [0]:
+        raise ValueError(f"{rows} rows for {n_samples} samples, but 'step_index' starts {len(starts)} samples")
+    owner = torch.zeros(rows, dtype=torch.long)
+    owner[starts[1:]] = 1
+    return owner.cumsum(0).tolist()
 
 
 #: Per-sample agent statistics collated into ``[B]`` tensor fields (0 for loops that do not report them).
@@ -224,9 +259,10 @@ def _add_extras(batch: TensorDict, outputs: Sequence[AgentLoopOutput]) -> None:
 
 def agent_metrics(batch: TensorDict) -> dict[str, float]:
     """``agent/*`` metrics of a collated batch: turns, tool calls / errors / time, tool use, truncations,
-    malformed calls (``parse_errors``), timed-out calls, and synchronous-tool threads hanging."""
+    malformed calls (``parse_errors``), timed-out calls, and synchronous-tool threads hanging; with step rows
+    (the ``stepwise`` loop), :func:`environment_metrics` too."""
     if "tool_calls" not in batch.keys():
-        return {}
+        return environment_metrics(batch)
     calls = batch["tool_calls"].float()
     turns = batch["num_turns"].float()
     return {
@@ -246,7 +282,30 @@ def agent_metrics(batch: TensorDict) -> dict[str, float]:
         # a loop's own counters: a numeric AgentLoopOutput.extra named agent_<name> is summed over the batch
         **{f"agent/{key[6:]}/total": float(batch[key].float().sum()) for key in sorted(batch.keys())
            if isinstance(key, str) and key.startswith("agent_") and batch[key].dim() == 1},
+        **environment_metrics(batch),
     }
+
+
+def environment_metrics(batch: TensorDict) -> dict[str, float]:
+    """``env/*`` metrics of a batch of step rows (the ``stepwise`` loop): per episode (its last row) the success
+    rate, return and steps; the totals of malformed actions and of environment failures (errors, timeouts,
+    non-finite rewards, unhashable state keys, prompts grown past ``data.max_prompt_length``)."""
+    if "episode_end" not in batch.keys():
+        return {}
+    from polyrl.agent_loops.stepwise import EPISODE_COUNTS
+
+    ends = batch["episode_end"].float()
+    episodes = ends.sum().clamp(min=1)
+    out = {"env/episodes": float(ends.sum()),
+           "env/success_rate": float((batch["episode_success"].float() * ends).sum() / episodes),
+           "env/steps/mean": float((batch["episode_steps"].float() * ends).sum() / episodes),
+           "env/step_rows": float(batch.batch_size[0])}
+    if "tool_reward" in batch.keys():
+        out["env/return/mean"] = float((batch["tool_reward"].float() * ends).sum() / episodes)
+    for name in EPISODE_COUNTS:
+        if name in batch.keys():
+            out[f"env/{name}"] = float((batch[name].float() * ends).sum())
+    return out
 
 
 def fold_tool_rewards(batch: TensorDict, config: Any) -> None:

@@ -305,6 +305,25 @@ class ProfileConfig:
 
 
 @dataclass
+class PhaseTimeoutsConfig:
+    """Deadlines of single kinds of phase, in seconds; each left ``null`` takes ``trainer.phase_timeout_s``
+    (docs/cluster.md, "Deadlines and restarts")."""
+
+    #: Generating a step's samples (the wait for them in the asynchronous modes).
+    generation: float | None = None
+    #: Scoring a step's samples (reward functions, reward models).
+    reward: float | None = None
+    #: Each other worker-group call of a step: log-probs, values, critic and actor updates.
+    worker_call: float | None = None
+    #: Actor weights to the rollout.
+    weight_sync: float | None = None
+    #: Writing (or loading) a checkpoint.
+    checkpoint: float | None = None
+    #: One validation pass.
+    validation: float | None = None
+
+
+@dataclass
 class TrainerSection:
     """The loop, placement, logging and checkpoints."""
 
@@ -350,6 +369,12 @@ class TrainerSection:
     #: spreading over more when one is not enough), ``SPREAD``, ``STRICT_PACK`` (one node or fail),
     #: ``STRICT_SPREAD``.
     placement_strategy: str = "PACK"
+    #: Seconds any phase of a step (generation, reward, each worker-group call, weight sync, checkpoint,
+    #: validation) may take; past it the run stops with one line naming the phase, role, rank and host, every
+    #: worker's Python stacks go to ``RUN_DIR/train.log``, and the last checkpoint stays whole (docs/cluster.md).
+    phase_timeout_s: float = 1800.0
+    #: Per-kind deadlines that differ from ``phase_timeout_s`` (``{generation: 3600, checkpoint: 600}``).
+    phase_timeouts: PhaseTimeoutsConfig = field(default_factory=PhaseTimeoutsConfig)
     #: ``placement=split``: how actor weights reach the rollout pool: ``collective`` (a process group between
     #: actor rank 0 and the rollout replicas' leaders, bucketed broadcasts over the platform's weight-sync
     #: backend), ``object_store`` (buckets through Ray's object store) or ``auto`` (collective: 3-4x faster
@@ -464,6 +489,10 @@ VALUE_RULES: dict[str, str] = {
     "trainer.log_val_generations": ">= 0",
     "reward.max_failed_steps": ">= 0",
     "trainer.weight_bucket_mb": "> 0",
+    # deadlines: 0 would stop every step at once (there is no "off": raise it instead)
+    "trainer.phase_timeout_s": "> 0",
+    **{f"trainer.phase_timeouts.{kind}": "> 0"
+       for kind in ("generation", "reward", "worker_call", "weight_sync", "checkpoint", "validation")},
     # the asynchronous modes' numbers, checked before Ray starts (a bad one used to fail inside the rollout stream)
     "trainer.async_max_staleness": ">= 0", "trainer.async_queue_groups": ">= 0", "trainer.async_chunk_groups": ">= 0",
     "trainer.async_tis_cap": ">= 0",
@@ -505,6 +534,7 @@ __all__ = [
     "ModelConfig",
     "OpenAIAgentConfig",
     "OptimConfig",
+    "PhaseTimeoutsConfig",
     "PolicyLossConfig",
     "PolyrlConfig",
     "ProfileConfig",

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from tensordict import TensorDict
 
 from polyrl import batch as batch_ops
+from polyrl.controller import deadlines
 from polyrl.distributed import PORT_ATTEMPTS, port_in_use_error
 from polyrl.platforms.devices import node_local_ranks
 
@@ -72,10 +73,12 @@ class CompletedCall:
 class RayCall:
     """A handle over the Ray object refs of one call: one ref (one rank) or a list (several ranks)."""
 
-    def __init__(self, refs: list[Any], *, single: bool) -> None:
+    def __init__(self, refs: list[Any], *, single: bool, owners: Sequence[tuple[Any, int]] = ()) -> None:
         self.refs = refs
         self.single = single
         self.cancelled = False
+        #: The ``(group, rank)`` each ref runs on (named when a deadline passes or a rank is lost).
+        self.owners = list(owners)
 
     def done(self) -> bool:
         import ray
@@ -90,6 +93,9 @@ class RayCall:
 
         if self.cancelled:
             raise CancelledError("this worker call was cancelled")
+        if timeout is None and self.owners and deadlines.current() is not None:  # bounded by the phase's deadline
+            values = deadlines.wait_refs(self.refs, self.owners)
+            return values[0] if self.single else values
         try:
             values = ray.get(self.refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError as exc:
@@ -270,8 +276,9 @@ class LocalWorkerGroup:
 
 def _ray_actor_class(worker_cls: type) -> type:
     """``worker_cls`` as a Ray actor: its constructor takes ``actor_env`` (``LOCAL_RANK``... set before the
-    worker's own constructor runs) and the process ignores SIGINT: a Ctrl-C in a terminal reaches every process
-    of the foreground group, and the driver decides when the run stops (polyrl.trainer.interrupt)."""
+    worker's own constructor runs), the process ignores SIGINT (a Ctrl-C in a terminal reaches every process
+    of the foreground group, and the driver decides when the run stops: polyrl.trainer.interrupt) and dumps its
+    Python stacks on SIGUSR2 (:mod:`polyrl.controller.deadlines`)."""
 
     class RayActor(worker_cls):  # type: ignore[misc,valid-type]
         def __init__(self, *, actor_env: dict[str, str], **kwargs: Any) -> None:
@@ -281,7 +288,13 @@ def _ray_actor_class(worker_cls: type) -> type:
             os.environ.update(actor_env)
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
+            # the driver asks for this process's stacks when a phase passes its deadline (controller/deadlines.py)
+            self._polyrl_stack_file = deadlines.install_stack_dump()
             super().__init__(**kwargs)
+
+        def polyrl_process_info(self) -> dict[str, Any]:
+            """pid, host, node address and stack-dump file of this worker (error lines and stack dumps)."""
+            return deadlines.process_info(self._polyrl_stack_file)
 
     RayActor.__name__ = worker_cls.__name__  # what Ray shows in its logs and errors
     RayActor.__doc__ = worker_cls.__doc__
@@ -399,6 +412,16 @@ class RayWorkerGroup:
                     raise
                 logger.info("worker group '%s': rendezvous port %s was taken before rank 0 used it; starting the "
                             "group again on another port", name, init_kwargs["master_port"])
+        #: pid, host, address and stack file of each rank (:mod:`polyrl.controller.deadlines`).
+        self.processes: list[dict[str, Any]] = ray.get([w.polyrl_process_info.remote() for w in self.workers],
+                                                       timeout=120)
+        #: Set when a deadline passed or a rank was lost: :meth:`shutdown` kills the workers without asking them.
+        self.wedged = False
+        self.name = name
+        for rank, info in enumerate(self.processes):
+            logger.debug("worker group '%s': rank %d is pid %s on host %s (%s)", name, rank, info["pid"], info["host"],
+                         info["ip"])
+        deadlines.register_group(self)
         self._worker_cls = worker_cls
         self._layouts: dict[str, DPLayout] = {}
 
@@ -416,22 +439,23 @@ class RayWorkerGroup:
         return self.layout(method).dp_size
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        import ray
-
-        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        """Within the current phase's deadline (:mod:`polyrl.controller.deadlines`); a lost rank ends the wait."""
+        refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+        return deadlines.wait_refs(refs, [(self, r) for r in range(self.world_size)])
 
     def call_each(self, method: str, per_rank_args: Sequence[tuple], **kwargs: Any) -> list[Any]:
-        import ray
-
-        return ray.get([getattr(w, method).remote(*a, **kwargs) for w, a in zip(self.workers, per_rank_args)])
+        refs = [getattr(w, method).remote(*a, **kwargs) for w, a in zip(self.workers, per_rank_args)]
+        return deadlines.wait_refs(refs, [(self, r) for r in range(len(refs))])
 
     def call_all_async(self, method: str, *args: Any, **kwargs: Any) -> CallHandle:
-        return RayCall([getattr(w, method).remote(*args, **kwargs) for w in self.workers], single=False)
+        return RayCall([getattr(w, method).remote(*args, **kwargs) for w in self.workers], single=False,
+                       owners=[(self, r) for r in range(self.world_size)])
 
     def call_rank_async(self, rank: int, method: str, *args: Any, **kwargs: Any) -> CallHandle:
         if not 0 <= rank < self.world_size:
             raise IndexError(f"rank {rank}: this group has ranks 0 to {self.world_size - 1}")
-        return RayCall([getattr(self.workers[rank], method).remote(*args, **kwargs)], single=True)
+        return RayCall([getattr(self.workers[rank], method).remote(*args, **kwargs)], single=True,
+                       owners=[(self, rank)])
 
     def share(self, value: Any) -> Any:
         import ray
@@ -454,10 +478,18 @@ class RayWorkerGroup:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if not self.wedged:  # a wedged rank would not answer: kill at once
+            closes = []
+            for w in self.workers:
+                try:
+                    closes.append(w.close.remote())
+                except Exception:  # the worker may already be gone; killing it is what matters
+                    pass
+            if closes:
+                ray.wait(closes, num_returns=len(closes), timeout=60)
         for w in self.workers:
             try:
-                ray.get(w.close.remote(), timeout=60)
-            except Exception:  # the worker may already be gone; killing it is what matters
+                ray.kill(w)
+            except Exception:
                 pass
-            ray.kill(w)
         remove_placement_group(self.placement_group)

@@ -27,7 +27,7 @@ import torch
 from tensordict import TensorDict
 
 from polyrl import batch as batch_ops
-from polyrl.agent_loops.runner import agent_metrics, fold_tool_rewards
+from polyrl.agent_loops.runner import agent_metrics, fold_tool_rewards, sample_of_rows
 from polyrl.algorithms import masked_mean
 from polyrl.config.loader import record_dict, to_dict, to_yaml
 from polyrl.errors import ConfigError
@@ -47,6 +47,7 @@ from polyrl.trainer.generations import reward_extras, sample_ids, write_jsonl
 from polyrl.trainer.role_groups import RoleGroups, build_role_groups, plan_placement
 from polyrl.trainer.roles import RoleSpec
 from polyrl.trainer.run_dir import RunDirLock, prepare_run_dir
+from polyrl.trainer.step_rows import expand_to_rows, pad_step_rows, step_row_divisor
 from polyrl.trainer.updates import single_update_pass
 
 log = logging.getLogger("polyrl")
@@ -499,6 +500,14 @@ class PPOTrainer:
         )
 
     # ------------------------------------------------------------------ the loop
+    def phase(self, name: str, kind: str = "worker_call", *, role: str = "") -> Any:
+        """A context manager running its body as phase ``name`` of a step, under the deadline of ``kind``
+        (``trainer.phase_timeouts.<kind>``, else ``trainer.phase_timeout_s``; :mod:`polyrl.controller.deadlines`).
+        A plugin trainer wraps its own phases in it (``with self.phase("images", "generation", role="rollout")``)."""
+        from polyrl.controller.deadlines import phase, phase_seconds
+
+        return phase(name, phase_seconds(self.config.trainer, kind), kind=kind, role=role)
+
     def fit(self) -> dict[str, float]:
         """Train for ``total_steps``; returns the last validation metrics (or the last step's).
 
@@ -545,7 +554,8 @@ class PPOTrainer:
                 raise
             try:
                 if resume_from is None:
-                    self.groups.sync_weights()
+                    with self.phase("weight_sync", "weight_sync", role="actor -> rollout"):
+                        self.groups.sync_weights()
                 if self.val_set is not None and cfg.trainer.val_before_train and resume_from is None:
                     last_val = self._run_validation()
                     tracker.log(last_val, self.global_step)
@@ -659,7 +669,8 @@ class PPOTrainer:
     def _run_validation(self) -> dict[str, float]:
         """:meth:`validate`, its generations collected afresh (see :meth:`record_validation`)."""
         self._val_rows = []
-        return self.validate()
+        with self.phase("validation", "validation", role="rollout"):
+            return self.validate()
 
     def _keep_validation(self, tracker: Any) -> None:
         """Write the last validation's generations (JSONL, media) and log the first ``log_val_generations`` rows as a
@@ -799,10 +810,10 @@ class PPOTrainer:
         reward_metrics: dict[str, list[float]] = defaultdict(list)
         while True:
             gen_rounds += 1
-            with _timer(timing, "gen"):  # async modes: the wait for samples generated meanwhile
+            with _timer(timing, "gen"), self.phase("generation", "generation", role="rollout"):  # async: the wait
                 # sync: self.generate_batch(self.next_rows(), n, ...); fully_async takes only the groups still missing
                 batch = self.rollout_source.next_batch(cfg.data.train_batch_size - kept_groups)
-            with _timer(timing, "reward"):
+            with _timer(timing, "reward"), self.phase("reward", "reward", role="reward"):
                 out = self.reward_fn(batch)
             batch["token_level_scores"] = out.token_level_scores.float()
             if self._dump_dir("train") is not None:  # the reward's extra columns ride along for the dump
@@ -817,6 +828,9 @@ class PPOTrainer:
                 kept = [batch]
                 kept_groups = batch.batch_size[0] // n
                 break
+            if "episode_end" in batch.keys():
+                raise ConfigError("algorithm.filter_groups needs n rows per prompt; a step-wise agent loop gives an "
+                                  "episode one row per step: set algorithm.filter_groups.enable=false")
             batch, groups_left = _filter_groups(batch, filter_cfg.metric, n)
             if groups_left:
                 kept.append(batch)
@@ -843,8 +857,9 @@ class PPOTrainer:
         if self.rollout_corr is not None and self.rollout_corr["bypass_mode"]:
             batch_ops.require_fields(batch, ["rollout_log_probs"], "algorithm.rollout_correction.bypass_mode")
             batch["old_log_probs"] = batch["rollout_log_probs"]  # bypass: the rollout's log-probs are the old ones
-        if not self.skip_old_log_prob:
-            with _timer(timing, "old_log_prob"):
+        # more rows than prompts x n (a step-wise loop's step rows) make more than one mini-batch: off-policy
+        if not self.skip_old_log_prob or batch.batch_size[0] > cfg.data.train_batch_size * n:
+            with _timer(timing, "old_log_prob"), self.phase("old_log_prob", role="actor"):
                 products = {"products": self.old_log_prob_products} if self.old_log_prob_products else {}
                 old = groups.actor.dispatch("compute_log_prob", batch_ops.engine_fields(batch), **products)
             batch["old_log_probs"] = old["log_probs"]
@@ -856,11 +871,11 @@ class PPOTrainer:
                 diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()
                 metrics["rollout/logprob_diff_mean"] = float(masked_mean(diff, mask))
         if self.use_ref:
-            with _timer(timing, "ref"):
+            with _timer(timing, "ref"), self.phase("ref_log_prob", role="ref"):
                 batch["ref_log_prob"] = groups.ref.dispatch("compute_ref_log_prob", batch_ops.engine_fields(batch))[
                     "log_probs"]
         if self.use_critic:
-            with _timer(timing, "values"):
+            with _timer(timing, "values"), self.phase("values", role="critic"):
                 batch["values"] = groups.critic.dispatch("compute_values", batch_ops.engine_fields(batch))["values"]
 
         # rewards (KL in reward) -> advantage estimator
@@ -897,15 +912,15 @@ class PPOTrainer:
         # critic update -> actor update
         tensors = batch_ops.engine_fields(batch)
         if self.use_critic:
-            with _timer(timing, "update_critic"):
+            with _timer(timing, "update_critic"), self.phase("update_critic", role="critic"):
                 metrics.update(_mean_of(groups.critic.dispatch("update_critic", tensors)))
         if not self.use_critic or self.global_step >= cfg.critic.warmup_steps:
-            with _timer(timing, "update_actor"):
+            with _timer(timing, "update_actor"), self.phase("update_actor", role="actor"):
                 metrics.update(_mean_of(groups.actor.dispatch("update_actor", tensors)))
 
         fault_point("update", self.global_step + 1)
         # weights_for_rollout -> rollout.update_weights
-        with _timer(timing, "weight_sync"):
+        with _timer(timing, "weight_sync"), self.phase("weight_sync", "weight_sync", role="actor -> rollout"):
             self.rollout_source.push_weights()  # sync: groups.sync_weights()
 
         metrics.update(self.rollout_source.end_step(self.global_step + 1, batch))  # async: staleness, sample ids
@@ -913,7 +928,8 @@ class PPOTrainer:
         if directory is not None:  # what was trained, token for token (trainer.rollout_data_dir)
             write_jsonl(directory / f"{self.global_step + 1}.jsonl",
                         self.generation_rows(batch, step=self.global_step + 1, kind="train"))
-        metrics.update(groups.memory_metrics())  # perf/<group>/...: each worker group's Platform.memory_stats
+        with self.phase("memory_stats"):
+            metrics.update(groups.memory_metrics())  # perf/<group>/...: each worker group's Platform.memory_stats
         metrics.update(self.batch_metrics(batch))
         metrics.update(agent_metrics(batch))
         timing["step"] = time.perf_counter() - t_step
@@ -933,14 +949,16 @@ class PPOTrainer:
         memory after it, as after the step's own generation."""
         samples = [row for row in rows for _ in range(n)]
         batch = self.groups.generate(samples, sampling if sampling is not None else self.sampling_params(validate))
+        # a step-wise agent loop gives a sample several rows (polyrl.trainer.step_rows)
+        samples, ids = expand_to_rows(batch, samples, sample_ids(rows, n))
         batch_ops.set_non_tensor(batch, "uid", [s["uid"] for s in samples])
         batch_ops.set_non_tensor(batch, "data_source", [s.get("data_source", "") for s in samples])
         batch_ops.set_non_tensor(batch, "ground_truth", [(s.get("reward_model") or {}).get("ground_truth") for s in samples])
         batch_ops.set_non_tensor(batch, "extra_info", [s.get("extra_info") or {} for s in samples])
         batch_ops.set_non_tensor(batch, "raw_prompt", [json.dumps(s.get("prompt")) for s in samples])  # a reward model re-templates it
         if "sample_id" not in batch.keys():
-            batch_ops.set_non_tensor(batch, "sample_id", sample_ids(rows, n))
-        return batch
+            batch_ops.set_non_tensor(batch, "sample_id", ids)
+        return batch if validate else pad_step_rows(batch, step_row_divisor(self.config, self.use_critic))
 
     def pad_rows(self, rows: list[dict]) -> list[dict]:
         """``rows`` followed by copies of the last one, marked ``_pad: True``, up to a multiple of the rollout
@@ -961,6 +979,7 @@ class PPOTrainer:
         loader = RLDataLoader(self.val_set, batch_size=batch_size, shuffle=False, seed=0, drop_last=False)
         per_source: dict[str, list[list[float]]] = defaultdict(list)
         tool_use: list[float] = []  # samples that called a tool (agent loops with tools)
+        episodes: dict[str, list[float]] = defaultdict(list)  # step-wise loops: each episode's success
         seen = 0
         for rows in loader:
             rows = rows[: size - seen]
@@ -970,9 +989,19 @@ class PPOTrainer:
             out = self.reward_fn(batch)
             batch["token_level_scores"] = out.token_level_scores.float()
             batch_ops.set_non_tensor(batch, "reward_extra", reward_extras(out.extra, batch.batch_size[0]))
+            sources = batch_ops.non_tensor(batch, "data_source")
+            owner = sample_of_rows(batch, len(rows) * k)
+            if owner is not None:  # step rows (a step-wise agent loop): one result per episode, on its last row
+                self.record_validation(batch, keep=[not rows[o // k].get("_pad") for o in owner])
+                ends, won = batch["episode_end"].tolist(), batch["episode_success"].tolist()
+                for i, o in enumerate(owner):
+                    if ends[i] and not rows[o // k].get("_pad"):
+                        episodes[sources[i]].append(won[i])
+                if seen >= size:
+                    break
+                continue
             self.record_validation(batch, keep=[not rows[j // k].get("_pad") for j in range(batch.batch_size[0])])
             correct = out.extra.get("acc") or [float(s > 0) for s in out.token_level_scores.sum(-1).tolist()]
-            sources = batch_ops.non_tensor(batch, "data_source")
             if "tool_calls" in batch.keys():
                 tool_use += [float(c > 0) for j, c in enumerate(batch["tool_calls"].tolist()) if not rows[j // k].get("_pad")]
             for i in range(0, len(correct), k):
@@ -988,6 +1017,8 @@ class PPOTrainer:
             if k > 1:
                 metrics[f"val/{source}/pass@{k}"] = float((arr > 0).any(axis=1).mean())
                 metrics[f"val/{source}/mean@{k}"] = float(arr.mean())
+        for source, won in episodes.items():
+            metrics[f"val/{source}/success_rate"] = float(np.mean(won))
         if tool_use and cfg.agent.tools:
             metrics["val/agent/tool_use_rate"] = float(np.mean(tool_use))
         return metrics
@@ -1011,7 +1042,8 @@ class PPOTrainer:
             self.groups.save_checkpoint(path)
             snapshot.write(path)
 
-        return self.ckpt.save(self.global_step, save_all, state)
+        with self.phase("checkpoint", "checkpoint"):
+            return self.ckpt.save(self.global_step, save_all, state)
 
     def _torch_rng(self) -> list[int]:
         # The driver computes on the CPU only; each engine saves its device's RNG through its platform.
@@ -1019,7 +1051,8 @@ class PPOTrainer:
 
     def _load(self, path: Path) -> None:
         state = read_state(path)
-        self.groups.load_checkpoint(str(path))
+        with self.phase("load_checkpoint", "checkpoint"):
+            self.groups.load_checkpoint(str(path))
         self.global_step = state["global_step"]
         self.loader.load_state_dict(state["loader"])
         self._iter = iter(self.loader)
@@ -1029,7 +1062,8 @@ class PPOTrainer:
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         if self.kl_ctrl is not None and state.get("kl_coef") is not None:
             self.kl_ctrl.value = state["kl_coef"]
-        self.groups.sync_weights()
+        with self.phase("weight_sync", "weight_sync", role="actor -> rollout"):
+            self.groups.sync_weights()
         log.info("resumed from %s at step %d", path, self.global_step)
 
 

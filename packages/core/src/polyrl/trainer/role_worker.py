@@ -23,6 +23,7 @@ from tensordict import TensorDict
 from polyrl.manifest import Manifest
 from polyrl.profiling import profiled_call
 from polyrl.protocols import SamplingParams
+from polyrl.trainer.faults import hang_point
 
 logger = logging.getLogger(__name__)
 
@@ -291,6 +292,7 @@ class Worker:
         """
         from polyrl.agent_loops import run_agent_loops
 
+        hang_point("generate", self.rank)  # POLYRL_HANG_AT: the deadline tests' wedged rollout
         if not self.replica_leader:
             self._lend_device_during_generation(validate)
             return None
@@ -473,6 +475,7 @@ class Worker:
         """PPO epochs over mini-batches of this rank's shard; metrics averaged over steps."""
         from polyrl.trainer.losses import make_actor_loss
 
+        hang_point("update_actor", self.rank)  # POLYRL_HANG_AT: a rank that never reaches the update's collectives
         cfg = self.config.actor
         loss = make_actor_loss(cfg, on_policy=self.update_is_on_policy(batch))
         return self.run_update_epochs(self.actor, batch, loss, cfg, shuffle=cfg.shuffle,

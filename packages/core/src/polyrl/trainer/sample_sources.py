@@ -39,6 +39,7 @@ from polyrl import batch as batch_ops
 from polyrl.checkpoint_io import load_tensors
 from polyrl.controller.worker_group import CallHandle, WorkerGroup, wait_any
 from polyrl.errors import ConfigError
+from polyrl.trainer.step_rows import expand_to_rows, pad_step_rows, step_row_divisor
 
 log = logging.getLogger("polyrl")
 
@@ -120,12 +121,14 @@ def attach_sample_fields(batch: TensorDict, rows: list[dict], n: int, version: i
     """The per-row fields the trainer reads (uid, data source, ground truth, extra info, the raw prompt), plus the sample
     ids and the policy version that generated them, on a batch generated for ``rows`` repeated ``n`` times."""
     samples = [row for row in rows for _ in range(n)]
+    # a step-wise agent loop gives a sample several rows (polyrl.trainer.step_rows)
+    samples, ids = expand_to_rows(batch, samples, [f"{sample_base(r)}/{j}" for r in rows for j in range(n)])
     batch_ops.set_non_tensor(batch, "uid", [s["uid"] for s in samples])
     batch_ops.set_non_tensor(batch, "data_source", [s.get("data_source", "") for s in samples])
     batch_ops.set_non_tensor(batch, "ground_truth", [(s.get("reward_model") or {}).get("ground_truth") for s in samples])
     batch_ops.set_non_tensor(batch, "extra_info", [s.get("extra_info") or {} for s in samples])
     batch_ops.set_non_tensor(batch, "raw_prompt", [json.dumps(s.get("prompt")) for s in samples])
-    batch_ops.set_non_tensor(batch, "sample_id", [f"{sample_base(r)}/{j}" for r in rows for j in range(n)])
+    batch_ops.set_non_tensor(batch, "sample_id", ids)
     batch_ops.set_non_tensor(batch, "gen_version", [int(version)] * len(samples))
     return batch
 
@@ -294,7 +297,8 @@ class OneStepOffPolicySource(RolloutSource):
         self._pending = None
         # the next step's generation starts now, on the weights the rollout holds (this step's trains meanwhile)
         self._issue(self._rows(), 1)
-        return attach_sample_fields(batch, rows, self.n, version)
+        batch = attach_sample_fields(batch, rows, self.n, version)
+        return pad_step_rows(batch, step_row_divisor(self.trainer.config, self.trainer.use_critic))
 
     def push_weights(self) -> None:
         super().push_weights()  # queued behind the prefetch on each rollout worker: it finishes on old weights
@@ -433,6 +437,10 @@ class StreamingSource(RolloutSource):
                             self.todo.extendleft(reversed(chunk.rows))
                         else:
                             attach_sample_fields(batch, chunk.rows, self.n, chunk.version)
+                            if batch.batch_size[0] != len(chunk.rows) * self.n:
+                                raise ConfigError("trainer.async_mode=fully_async queues n rows per prompt; a "
+                                                  "step-wise agent loop gives one row per step: use async_mode "
+                                                  "sync or one_step_off_policy")
                             for g, row in enumerate(chunk.rows):
                                 self.ready.append(_Group(row, batch[g * self.n : (g + 1) * self.n], chunk.version))
                         self.cond.notify_all()

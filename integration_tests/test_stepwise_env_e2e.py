@@ -1,0 +1,83 @@
+"""The stepwise agent loop end to end: the real trainer, the hf rollout, a tiny model, GiGPO over step rows.
+
+A random tiny model cannot write ``<action>up</action>``, so the environment here is a plugin (loaded through the
+manifest's ``modules``) that takes any text: three steps through shared states ``at 0 -> at 1 -> at 2``, a reward
+of 1 for a step whose text has an even length. Every step is its own sample; GiGPO groups the steps taken from the
+same state across the 4 episodes of a prompt.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from polyrl.trainer.commands import train
+
+ENV_PLUGIN = '''
+from polyrl import hookimpl
+
+
+class Corridor:
+    def reset(self, seed, row):
+        self.t = 0
+        return "at 0"
+
+    def step(self, action):
+        self.t += 1
+        return f"at {self.t}", float(len(action) % 2 == 0), self.t >= 3, {"success": self.t >= 3}
+
+    def state_key(self):
+        return self.t
+
+
+@hookimpl
+def register_environments(register):
+    register("corridor", lambda config: Corridor())
+'''
+
+
+@pytest.mark.timeout(180)
+def test_gigpo_trains_on_step_rows(tiny_model, tmp_path, monkeypatch):
+    from polyrl.data.synthetic import write_jsonl
+
+    (tmp_path / "corridor_env.py").write_text(ENV_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    manifest = tmp_path / "polyrl.toml"
+    manifest.write_text('[plugins]\nrequire = ["polyrl-engine-fsdp>=0.1,<0.2"]\nmodules = ["corridor_env"]\n')
+    rows = [{"prompt": [{"role": "user", "content": "Walk."}], "data_source": "env/corridor", "agent_name": "stepwise",
+             "extra_info": {"env": "corridor", "seed": i, "action_pattern": "", "history_k": 1}} for i in range(4)]
+    write_jsonl(rows, tmp_path / "train.jsonl")
+    run = tmp_path / "run"
+    train(manifest, [], [
+        f"model.path={tiny_model}", f"data.train_files=[{tmp_path / 'train.jsonl'}]", "data.train_batch_size=2",
+        "data.max_prompt_length=160", "data.max_response_length=6", "actor.engine=fsdp", "actor.ppo_mini_batch_size=2",
+        "actor.micro_batch_size=16", "actor.optim.lr=1e-3", "rollout.n=4", "algorithm.adv_estimator=gigpo",
+        "algorithm.gamma=0.95", "trainer.executor=local", "trainer.total_steps=2", "trainer.progress_bar=false",
+        "trainer.logger=[jsonl]", "trainer.val_before_train=false", f"trainer.rollout_data_dir={run / 'rollouts'}",
+        f"trainer.run_dir={run}"])
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "env/episodes" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["env/episodes"] == 8  # 2 prompts x 4 samples
+        # an episode is 3 steps unless the model wrote nothing (a malformed action ends it)
+        assert r["env/step_rows"] >= 8 and r["env/step_rows"] % 8 == 0  # padded to whole mini-batches
+        assert 1.0 <= r["env/steps/mean"] <= 3.0 and r["env/malformed_actions"] <= 8
+        # every step that is not the last of its episode was a full step of a 3-step walk (or the model wrote nothing)
+        assert r["env/step_rows"] >= r["env/episodes"] * r["env/steps/mean"]
+        assert "actor/pg_loss" in r and 0.0 <= r["env/return/mean"] <= 3.0
+        print({k: v for k, v in r.items() if k.startswith("env/")})
+    dumped = [json.loads(line) for line in (run / "rollouts" / "1.jsonl").read_text().splitlines()]
+    ids = [d["sample_id"] for d in dumped]
+    assert len(ids) == steps[0]["env/step_rows"] and any("/step2" in i for i in ids)
+    # the step rows of one sample share its uid (the episode group) and keep their own prompts
+    by_sample: dict[str, list[dict]] = {}
+    for d in dumped:
+        if "#pad" not in d["sample_id"]:
+            by_sample.setdefault(d["sample_id"].rsplit("/step", 1)[0], []).append(d)
+    assert len(by_sample) == 8
+    for parts in by_sample.values():
+        assert len({p["uid"] for p in parts}) == 1
+        assert [p["prompt"].count("at ") for p in parts] == sorted(p["prompt"].count("at ") for p in parts)
+    assert any(abs(d["advantage"]) > 0 for d in dumped)
