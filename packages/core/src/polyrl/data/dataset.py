@@ -186,6 +186,12 @@ class RLDataset:
                 if self._has_images(row, file, i):
                     self._add_image_row(row, file, i, max_prompt_length, truncation, chat_template)
                     continue
+                if chat_template and not isinstance(row["prompt"], str) and not getattr(tokenizer, "chat_template", None):
+                    raise DataError(
+                        f"{file} row {i}: the prompt is chat messages but the model's tokenizer has no chat template "
+                        "(data.apply_chat_template=true): use a model that has one (an Instruct or Chat model), point "
+                        "actor.model.tokenizer_path at a tokenizer with one, or set data.apply_chat_template=false to "
+                        "give the model the messages' text joined by newlines")
                 ids, over = _bounded_prompt_ids(row["prompt"], tokenizer, chat_template, clip, max_prompt_length,
                                                 keep_end=truncation == "left", kwargs=chat_template_kwargs)
                 self.stats["rows"] += 1

@@ -261,7 +261,36 @@ def cached_hf_folder(path: str | Path, key: str = "FILE") -> Path:
     folder = cache_dir() / "gguf" / f"{path.stem}-{sha256[:12]}"
     if converted_matches(folder, sha256):
         return folder
-    return convert_gguf(path, folder, key, sha256=sha256)
+    with cache_lock(folder):  # one process converts; the others wait for it and find the folder made
+        if converted_matches(folder, sha256):
+            return folder
+        return convert_gguf(path, folder, key, sha256=sha256)
+
+
+@contextlib.contextmanager
+def cache_lock(folder: Path, timeout: float = 1800.0) -> Any:
+    """An exclusive lock (``fcntl.flock`` on ``.NAME.lock`` beside ``folder``) while a cache entry is made; waits
+    at most ``timeout`` seconds for another process's (the lock goes with its holder, even one that was killed)."""
+    import fcntl
+    import time
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    path = folder.parent / f".{folder.name}.lock"
+    with open(path, "w") as lock:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{path}: another process has been making {folder} for over {timeout:.0f} s; "
+                                       "if none is, delete the lock file and try again") from None
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def resolve_gguf(model: Any, key: str) -> None:

