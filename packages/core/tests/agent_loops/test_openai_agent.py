@@ -217,7 +217,7 @@ def test_fifty_concurrent_trajectories_never_cross(tok):
     t0 = time.perf_counter()
     outs = run_agent_loops(samples, SamplingParams(max_new_tokens=256), client, {"openai_agent": loop},
                            default="openai_agent")
-    assert time.perf_counter() - t0 < 30
+    assert time.perf_counter() - t0 < 60
     assert len(client.sampled) == 100
     for i, out in enumerate(outs):
         assert out.metrics["tool_reward"] == float(i)  # each program's own reward, in row order

@@ -292,10 +292,14 @@ def _cut_at_stop(tokenizer: Any, ids: list[int], stop: Sequence[str]) -> tuple[i
         return None
     at = min(hits)
     end = at + min(len(s) for s in stop if text.find(s) == at)
-    for k in range(1, len(ids) + 1):  # the first token by which the stop string is complete
-        if len(tokenizer.decode(ids[:k], skip_special_tokens=True)) >= end:
-            return k, text[:at]
-    return len(ids), text[:at]
+    lo, hi = 1, len(ids)  # the first token by which the stop string is complete (decoded length grows with k)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= end:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, text[:at]
 
 
 def _call_id() -> str:
@@ -326,8 +330,11 @@ def complete(traj: Trajectory, body: Any) -> tuple[dict[str, Any], list[dict[str
         raise RequestError(f"this conversation used its {traj.budget} response tokens (data.max_response_length)",
                            code="context_length_exceeded", param="messages")
     budget = min(left, req["max_tokens"] or left)
-    params = traj.sampling_params.replace(n=req["n"], max_new_tokens=budget,
-                                          seed=req["seed"] if req["seed"] is not None else traj.sampling_params.seed)
+    seed = req["seed"]
+    base_seed = traj.sampling_params.seed
+    if seed is None and base_seed is not None:  # a seeded run: a seed per call, or every call replays the first
+        seed = (base_seed * 1_000_003 + len(traj.calls)) % 2**31
+    params = traj.sampling_params.replace(n=req["n"], max_new_tokens=budget, seed=seed)
     request = GenerationRequest(prompt_ids=list(prompt_ids), sampling_params=params,
                                 request_id=f"{traj.uid}/call{len(traj.calls)}")
     timeout = traj.deadline - time.monotonic()
@@ -392,6 +399,8 @@ class ProxyServer(ThreadingHTTPServer):
     """The endpoint: one per process, on 127.0.0.1; trajectories come and go by key."""
 
     daemon_threads = True
+    #: the listen backlog: many programs connect at once (the standard library's default of 5 refuses them)
+    request_queue_size = 1024
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
