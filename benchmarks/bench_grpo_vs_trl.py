@@ -9,7 +9,14 @@ float32 weights on both sides (TRL's ``bf16=True``; polyrl's ``actor.fsdp.param_
 and ``rollout.dtype=bfloat16``, verl's defaults); with both, the last lines put each side's
 fastest precision against the other's.
 Workloads: ``short`` (synthetic arithmetic, ~9-token prompts) and ``long`` (the same
-questions after a fixed few-shot preamble, 200-token prompts, as in GSM8K-style prompting).
+questions after a fixed few-shot preamble, 200-token prompts, as in GSM8K-style prompting), and ``gsm8k``: real
+GSM8K test problems through the model's chat template (a system line asks for the answer after ``####``),
+completions that end at the model's end of turn, rewarded by the last number (both sides).
+Sizes: ``polyrl.models.tiny``'s, ``qwen2.5-0.5b`` (below), and ``smollm2-135m``: the real pretrained
+SmolLM2-135M-Instruct (``make real-model``; its 49,152-token BPE and ChatML template), for the ``gsm8k`` workload.
+``--repeats R`` runs each setting R times, alternating which side goes first, and reports the median run of each
+side; every run starts from an empty output directory. Each side's peak memory is the largest resident set of
+its process tree, sampled every 0.2 s.
 
 Equal cores: for each ``--workers`` count W, polyrl runs W data-parallel workers (1: the ``local``
 executor, one process) and TRL runs under ``torchrun --nproc_per_node W`` (gloo DDP, each process one
@@ -43,9 +50,11 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -70,9 +79,27 @@ PREAMBLE = ("Answer with the number only. Examples: 12+7=19. 40-15=25. 8+8=16. 9
             "Now the question:")
 
 
-def make_rows(workload: str) -> list[dict]:
+#: The ``gsm8k`` workload's system message (both sides).
+GSM8K_SYSTEM = "Solve the math problem step by step, briefly. End with the final answer as '#### <number>'."
+#: GSM8K's test split; a benchmark, not a run: it may read the project's shared data (``--gsm8k-file``).
+GSM8K_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+#: Sizes that are real pretrained models rather than shapes built in code.
+REAL_SIZES = ("smollm2-135m",)
+
+
+def make_rows(workload: str, gsm8k_file: Path = GSM8K_FILE) -> list[dict]:
+    """The workload's rows (polyrl's chat-format dataset rows: ``prompt`` messages, ``reward_model.ground_truth``)."""
     from polyrl.data.synthetic import make_arithmetic_rows
 
+    if workload == "gsm8k":
+        rows = []
+        for line in gsm8k_file.read_text().splitlines():
+            item = json.loads(line)
+            answer = item["answer"].split("####")[-1].strip().replace(",", "")
+            rows.append({"data_source": "openai/gsm8k", "reward_model": {"ground_truth": answer},
+                         "prompt": [{"role": "system", "content": GSM8K_SYSTEM},
+                                    {"role": "user", "content": item["question"]}]})
+        return rows
     rows = make_arithmetic_rows(512, seed=0, max_operand=99, ops="+-")
     if workload == "long":
         rows = [dict(r, prompt=[{"role": "system", "content": PREAMBLE}, *r["prompt"]]) for r in rows]
@@ -80,20 +107,20 @@ def make_rows(workload: str) -> list[dict]:
 
 
 def run_trl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, procs: int,
-            precision: str = "float32", threads: int = 1, device: str = "cpu") -> dict:
+            precision: str = "float32", threads: int = 1, device: str = "cpu", workload: str = "short") -> dict:
     """TRL's GRPOTrainer under ``torchrun --nproc_per_node procs`` (gloo DDP on CPU), ``threads`` torch threads
     each; rank 0's timings."""
     out.mkdir(parents=True, exist_ok=True)
     result = out / "trl.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", __file__,
            "--trl-child", json.dumps([str(model_dir), str(data), warmup, steps, str(out), str(result), precision,
-                                        device, [PROMPTS_PER_STEP, N, COMPLETION]])]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
-    return json.loads(result.read_text())
+                                        device, [PROMPTS_PER_STEP, N, COMPLETION], workload])]
+    peak = run_measured(cmd, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    return dict(json.loads(result.read_text()), peak_rss=peak)
 
 
 def trl_child(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, result: Path,
-              precision: str = "float32", device: str = "cpu") -> None:
+              precision: str = "float32", device: str = "cpu", workload: str = "short") -> None:
     """One torchrun process of TRL's GRPOTrainer (use_vllm=False): each process generates and trains
     ``1/world`` of the batch; rank 0 writes completion tokens, step seconds and generation seconds.
     ``precision="bfloat16"``: TRL's ``bf16=True`` (accelerate's autocast over float32 weights)."""
@@ -103,11 +130,15 @@ def trl_child(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, r
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from polyrl.rewards.functions import gsm8k_extract
+
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     ds = Dataset.from_list([{"prompt": r["prompt"], "answer": str(r["reward_model"]["ground_truth"])} for r in rows])
 
     def reward(completions, answer, **kw):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        if workload == "gsm8k":  # the last number, the rule of polyrl's side (gsm8k_extract's flexible mode)
+            return [1.0 if gsm8k_extract(t, "flexible") == a else 0.0 for t, a in zip(texts, answer)]
         return [1.0 if t.strip().startswith(a) else 0.0 for t, a in zip(texts, answer)]
 
     gen_seconds: list[float] = []
@@ -166,7 +197,8 @@ def trl_child(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, r
 
 
 def run_polyrl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, workers: int,
-               extra: list[str], precision: str = "float32", threads: int = 1, device: str = "cpu") -> dict:
+               extra: list[str], precision: str = "float32", threads: int = 1, device: str = "cpu",
+               workload: str = "short") -> dict:
     """`polyrl train` (FSDP engine, hf rollout) with the same batch, ``threads`` torch threads per worker; step
     time from its metrics.
     ``precision="bfloat16"``: verl's mixed precision (bf16 compute over float32 weights,
@@ -174,6 +206,12 @@ def run_polyrl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, 
     manifest = out / "polyrl.toml"
     out.mkdir(parents=True, exist_ok=True)
     manifest.write_text('[plugins]\nrequire = ["polyrl-engine-fsdp>=0.1,<0.2"]\n')
+    if workload == "gsm8k":  # the last number, as TRL's side (polyrl's gsm8k default is verl's strict "#### N")
+        (out / "reward.py").write_text(
+            "from polyrl.rewards.functions import gsm8k_extract\n\n\n"
+            "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+            "    return 1.0 if gsm8k_extract(solution_str, 'flexible') == str(ground_truth) else 0.0\n")
+        extra = [f"reward.function={out / 'reward.py'}:compute_score", *extra]
     executor = ["trainer.executor=local"] if workers == 1 else ["trainer.executor=ray", f"trainer.n_workers={workers}"]
     overrides = [
         f"model.path={model_dir}", f"data.train_files=[{data}]", f"data.train_batch_size={PROMPTS_PER_STEP}",
@@ -185,15 +223,52 @@ def run_polyrl(model_dir: Path, data: Path, warmup: int, steps: int, out: Path, 
         f"trainer.total_steps={warmup + steps}", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
         f"trainer.run_dir={out / 'run'}", f"trainer.device={device}", *executor, *PRECISION_ARGS[precision], *extra,
     ]
-    subprocess.run([sys.executable, "-m", "polyrl", "train", "--manifest", str(manifest), *overrides], check=True,
-                   stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    peak = run_measured([sys.executable, "-m", "polyrl", "train", "--manifest", str(manifest), *overrides],
+                        env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "timing/step" in r][warmup:]
     tokens = sum(r["response_length/mean"] * PROMPTS_PER_STEP * N for r in rows)
     keys = sorted({k for r in rows for k in r if k.startswith("timing/") and k != "timing/step"})
     phases = {k[len("timing/"):]: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys}
-    return {"tokens": tokens, "seconds": sum(r["timing/step"] for r in rows),
+    return {"tokens": tokens, "seconds": sum(r["timing/step"] for r in rows), "peak_rss": peak,
+            "mean_length": sum(r["response_length/mean"] for r in rows) / max(1, len(rows)),
             "phases": {k: v for k, v in phases.items() if v >= 0.005}}
+
+
+def run_measured(cmd: list[str], env: dict[str, str]) -> int:
+    """Run ``cmd`` (output to /dev/null, an error if it fails) and return the peak resident set of its whole process
+    tree in bytes, sampled every 0.2 s (Ray's workers and raylets included: what the side costs the machine)."""
+    import psutil
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env)
+    peak, done = 0, threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        root = psutil.Process(proc.pid)
+        while not done.wait(0.2):
+            try:
+                tree = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                return
+            rss = 0
+            for p in tree:
+                try:
+                    rss += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            peak = max(peak, rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        code = proc.wait()
+    finally:
+        done.set()
+        sampler.join()
+    if code:
+        raise subprocess.CalledProcessError(code, cmd)
+    return peak
 
 
 def limit_shapes(device: str) -> dict:
@@ -281,13 +356,16 @@ def fractions(result: dict, split: dict[str, float], floor: dict[str, float], up
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--trl-child":
-        model_dir, data, warmup, steps, out, result, precision, device, shape = json.loads(sys.argv[2])
+        model_dir, data, warmup, steps, out, result, precision, device, shape, workload = json.loads(sys.argv[2])
         _set_batch(*shape)
-        trl_child(Path(model_dir), Path(data), warmup, steps, Path(out), Path(result), precision, device)
+        trl_child(Path(model_dir), Path(data), warmup, steps, Path(out), Path(result), precision, device, workload)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
-    parser.add_argument("--workloads", nargs="+", default=["short", "long"], choices=["short", "long"])
+    parser.add_argument("--workloads", nargs="+", default=["short", "long"], choices=["short", "long", "gsm8k"])
+    parser.add_argument("--gsm8k-file", type=Path, default=GSM8K_FILE, help="GSM8K's test.jsonl (the gsm8k workload)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each setting, alternating which side goes first; each side's median run counts")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, on both sides")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 1],
@@ -314,7 +392,6 @@ def main() -> None:
         parser.error("--device cuda runs one process a side: --workers 1 --layouts processes")
     from safetensors import safe_open
 
-    from polyrl.data.synthetic import write_jsonl
 
     if args.device == "cpu" and not args.keep_slow_precision:
         import torch
@@ -340,12 +417,12 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-trl-"))
     report = []
     for workload in args.workloads:
-        data = write_jsonl(make_rows(workload), root / f"{workload}.jsonl")
-        prompt_tokens = 9 if workload == "short" else 200
+        rows = make_rows(workload, args.gsm8k_file)
         for size in args.sizes:
-            model_dir = root / size
+            model_dir = real_model(size) if size in REAL_SIZES else root / size
             if not model_dir.exists():
                 build_model(model_dir, size)
+            data, prompt_tokens = prompt_file(rows, model_dir, root / f"{workload}-{size}.jsonl")
             with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
                 params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
             tag = f"{workload}-{size}"
@@ -354,12 +431,20 @@ def main() -> None:
             for cores, layout, precision in settings:
                 limits, run = all_limits[precision], f"{tag}-{cores}-{layout}-{precision}"
                 procs, threads = (cores, 1) if layout == "processes" else (1, cores)
-                trl = run_trl(model_dir, data, args.warmup, args.steps, root / f"trl-{run}", procs, precision, threads,
-                              args.device)
-                trl["steps"] = args.steps
-                ours = run_polyrl(model_dir, data, args.warmup, args.steps, root / f"polyrl-{run}", procs,
-                                  args.polyrl_args, precision, threads, args.device)
-                ours["steps"] = args.steps
+                trls, ourss = [], []
+                for repeat in range(args.repeats):  # alternate which side goes first; a fresh output dir each run
+                    sides = [("trl", trls), ("polyrl", ourss)][::1 if repeat % 2 == 0 else -1]
+                    for side, results in sides:
+                        out = root / f"{side}-{run}-r{repeat}"
+                        if side == "trl":
+                            results.append(run_trl(model_dir, data, args.warmup, args.steps, out, procs, precision,
+                                                   threads, args.device, workload))
+                        else:
+                            results.append(run_polyrl(model_dir, data, args.warmup, args.steps, out, procs,
+                                                      args.polyrl_args, precision, threads, args.device, workload))
+                        shutil.rmtree(out, ignore_errors=True)
+                trl, ours = median_run(trls), median_run(ourss)
+                trl["steps"] = ours["steps"] = args.steps
                 completion = trl.get("mean_length", COMPLETION)
                 floor = phase_floors(params, prompt_tokens, completion, cores, limits,
                                      2 if precision == "bfloat16" else 4)
@@ -371,10 +456,17 @@ def main() -> None:
                 row = {"workload": workload, "size": size, "params": params, "cores": cores,
                        "layout": layout if cores > 1 else "-", "precision": precision, "trl_tok_s": t_rate,
                        "polyrl_tok_s": p_rate, "ratio": p_rate / t_rate, "trl_s": tp, "polyrl_s": pp, "floor_s": floor,
-                       "polyrl_phases": ours["phases"], "fractions": frac}
+                       "polyrl_phases": ours["phases"], "fractions": frac, "runs": args.repeats,
+                       "all_tok_s": {"trl": [r["tokens"] / r["seconds"] for r in trls],
+                                     "polyrl": [r["tokens"] / r["seconds"] for r in ourss]},
+                       "peak_rss_gb": {"trl": trl["peak_rss"] / 1e9, "polyrl": ours["peak_rss"] / 1e9},
+                       "mean_length": {"trl": trl.get("mean_length"), "polyrl": ours.get("mean_length")},
+                       "prompt_tokens": prompt_tokens}
                 report.append(row)
                 print(f"{workload:5} {size:5} {params / 1e6:5.1f}M {cores} core(s) {row['layout']} {precision}: TRL {t_rate:8.1f} tok/s, polyrl "
-                      f"{p_rate:8.1f} tok/s, ratio {p_rate / t_rate:.2f}x", flush=True)
+                      f"{p_rate:8.1f} tok/s, ratio {p_rate / t_rate:.2f}x (median of {args.repeats}); peak memory TRL "
+                      f"{trl['peak_rss'] / 1e9:.2f} GB, polyrl {ours['peak_rss'] / 1e9:.2f} GB; mean completion TRL "
+                      f"{trl.get('mean_length', 0):.0f}, polyrl {ours.get('mean_length', 0):.0f} tokens", flush=True)
                 for phase in ("gen", "rest"):
                     print(f"    {phase:4} s/step: TRL {tp[phase]:.3f} polyrl {pp[phase]:.3f} (ratio "
                           f"{tp[phase] / max(pp[phase], 1e-9):.2f}x); machine floor {floor[phase]:.3f} -> TRL at "
@@ -393,6 +485,43 @@ def main() -> None:
     print(json.dumps({"device": args.device, "batch": [PROMPTS_PER_STEP, N, COMPLETION], "limits": all_limits,
                       "rows": report, "best": best}), flush=True)
     shutil.rmtree(root, ignore_errors=True)  # the runs' checkpoints: about 1 GB per configuration
+
+
+def median_run(results: list[dict]) -> dict:
+    """The run of median completion tokens/s (the lower middle one of an even count)."""
+    ranked = sorted(results, key=lambda r: r["tokens"] / r["seconds"])
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def real_model(size: str) -> Path:
+    """The HF folder of a real pretrained model of :data:`REAL_SIZES` (fetched and converted once by
+    ``make real-model``)."""
+    from polyrl.models import real
+
+    return Path(real.ensure_real_model())
+
+
+def prompt_file(rows: list[dict], model_dir: Path, path: Path) -> tuple[Path, int]:
+    """Write the rows whose prompt fits ``data.max_prompt_length`` (256) with ``model_dir``'s tokenizer (through its
+    chat template where it has one, as both sides render them), and return the file and the mean prompt tokens."""
+    from transformers import AutoTokenizer
+
+    from polyrl.data.synthetic import write_jsonl
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    kept, lengths = [], []
+    for row in rows:
+        if tok.chat_template:
+            ids = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
+            n = len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        else:
+            n = len(tok("".join(m["content"] for m in row["prompt"]))["input_ids"])
+        if n <= 256:
+            kept.append(row)
+            lengths.append(n)
+        if len(kept) == 512:
+            break
+    return write_jsonl(kept, path), round(statistics.mean(lengths))
 
 
 def _set_batch(prompts: int, samples: int, completion: int) -> None:
