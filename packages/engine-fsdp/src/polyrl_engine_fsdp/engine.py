@@ -467,7 +467,9 @@ class FSDPEngine:
                                   reduce_dtype=torch_dtype(self.fsdp.reduce_dtype, ""))
         kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": self.fsdp.reshard_after_forward}
         if self.fsdp.param_offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy()
+            # pinned host memory needs an accelerator: on a CPU-only host (verl's ref.fsdp_config.param_offload=True
+            # moved to a CPU) pin_memory() raises "Cannot access accelerator device when none is available"
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type != "cpu")
         layer_names = set(getattr(model, "_no_split_modules", None) or getattr(
             getattr(model, "get_base_model", lambda: model)(), "_no_split_modules", None) or [])
         for module in root.modules():
