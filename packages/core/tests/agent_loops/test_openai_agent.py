@@ -383,3 +383,27 @@ def test_budget_and_config_errors(tok):
     with pytest.raises(ConfigError, match="samples"):
         run_one(make_loop(tok, long_chat, samples="best"), client, {"uid": "x"})
     assert load_program("json:dumps") is json.dumps
+
+
+def test_an_openai_agents_sdk_program_unchanged(tok):
+    """The example agent written with the OpenAI Agents SDK (a real framework: Agent, @function_tool, Runner)
+    goes through the endpoint: its tool call is parsed, run by the SDK, and its answer trained token for token."""
+    pytest.importorskip("agents")
+    example = Path(__file__).resolve().parents[4] / "examples" / "openai_agent" / "agents_sdk_agent.py"
+    program = load_program(f"{example}:run")
+
+    def script(prompt, k):
+        if "<tool_response>" not in prompt:
+            return '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3*4"}}\n</tool_call>'
+        return "14"
+
+    client = ScriptedClient(tok, script)
+    row = {"uid": "sdk", "prompt": [{"role": "system", "content": "Use the calculator."},
+                                    {"role": "user", "content": "2+3*4=?"}], "extra_info": {"answer": 14}}
+    episode = run_one(make_loop(tok, program), client, row)
+    assert episode.status == "ok" and episode.reward == 1.0, episode.detail
+    assert len(episode.calls) == 2 and episode.calls[1].parent == 0  # the SDK sent the history back unchanged
+    assert "<tool_response>\n14\n</tool_response>" in tok.decode(episode.calls[1].delta_ids)
+    (out,) = episode_samples(episode.calls, "merged")
+    assert [t for t, m in zip(out.response_ids, out.response_mask) if m] == [t for _, ids, _ in client.sampled
+                                                                            for t in ids]
