@@ -9,6 +9,8 @@ def register_environments(register):
              description="FrozenLake-like lake, seeded (size, holes); reward 1 at the goal")
     register("sokoban", "polyrl.environments.sokoban:make_sokoban",
              description="seeded generated Sokoban levels (height, width, boxes); gym-sokoban's rewards")
+    register("search", "polyrl.environments.search:make_search",
+             description="Search-R1 QA: <search> a local corpus (BM25, polyrl[search]), <answer> scored by search_r1")
 
 
 @hookimpl
