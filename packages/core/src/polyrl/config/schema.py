@@ -375,6 +375,11 @@ class TrainerSection:
     phase_timeout_s: float = 1800.0
     #: Per-kind deadlines that differ from ``phase_timeout_s`` (``{generation: 3600, checkpoint: 600}``).
     phase_timeouts: PhaseTimeoutsConfig = field(default_factory=PhaseTimeoutsConfig)
+    #: How many times a run that lost a worker process or a node resumes from its last checkpoint by itself
+    #: (0: it stops with one line naming the lost worker; started again, it resumes).
+    max_restarts: int = 0
+    #: Seconds a restart waits for the cluster to offer the run's layout (its pools' CPUs and accelerators) again.
+    restart_wait_s: float = 300.0
     #: ``placement=split``: how actor weights reach the rollout pool: ``collective`` (a process group between
     #: actor rank 0 and the rollout replicas' leaders, bucketed broadcasts over the platform's weight-sync
     #: backend), ``object_store`` (buckets through Ray's object store) or ``auto`` (collective: 3-4x faster
@@ -490,7 +495,7 @@ VALUE_RULES: dict[str, str] = {
     "reward.max_failed_steps": ">= 0",
     "trainer.weight_bucket_mb": "> 0",
     # deadlines: 0 would stop every step at once (there is no "off": raise it instead)
-    "trainer.phase_timeout_s": "> 0",
+    "trainer.phase_timeout_s": "> 0", "trainer.max_restarts": ">= 0", "trainer.restart_wait_s": ">= 0",
     **{f"trainer.phase_timeouts.{kind}": "> 0"
        for kind in ("generation", "reward", "worker_call", "weight_sync", "checkpoint", "validation")},
     # the asynchronous modes' numbers, checked before Ray starts (a bad one used to fail inside the rollout stream)

@@ -33,6 +33,40 @@ def cluster_address(config: Any) -> str:
     return (getattr(config.trainer, "ray_address", "") or os.environ.get("RAY_ADDRESS", "")).strip()
 
 
+#: Seconds the driver tries to reach a cluster's address before it says nobody answers there.
+CONNECT_TIMEOUT_S = 15.0
+
+
+def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Raise :class:`~polyrl.errors.ConfigError` (one line) unless something accepts a TCP connection at the
+    cluster ``address`` (``host:port``, ``ray://host:port`` or ``auto``) within ``timeout_s``: ``ray.init`` itself
+    retries an address nobody answers for minutes."""
+    from polyrl.errors import ConfigError
+
+    key = "trainer.ray_address (or RAY_ADDRESS)"
+    target = address
+    if address == "auto":
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+
+        try:
+            target = canonicalize_bootstrap_address_or_die("auto")
+        except ConnectionError:
+            raise ConfigError(f"{key}=auto: no Ray cluster runs on this machine (start one with `ray start --head`, "
+                              "or give the head's host:port)") from None
+    hostport = target.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host:
+        host, port = hostport, "10001" if target.startswith("ray://") else "6379"
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as exc:
+        why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise ConfigError(f"{key}={address}: nobody answers at {host}:{port} ({why} after at most {timeout_s:g} s). "
+                          "Start the cluster there (`ray start --head --port=...`, docs/cluster.md), or fix the "
+                          "address") from None
+
+
 #: (Ray job, manifest) pairs whose nodes were checked: a run with several worker groups checks once.
 _checked: set[tuple[str, Manifest | None]] = set()
 
@@ -157,4 +191,4 @@ def _pip_line(driver: dict[str, tuple[str | None, str | None]], distributions: S
     return "pip install " + " ".join(f"'{d}=={versions[d]}'" if versions.get(d) else f"'{d}'" for d in wanted)
 
 
-__all__ = ["PLACEMENT_STRATEGIES", "check_manifest_on_nodes", "cluster_address", "prepare_cluster", "rendezvous_address"]
+__all__ = ["PLACEMENT_STRATEGIES", "check_manifest_on_nodes", "check_reachable", "cluster_address", "prepare_cluster", "rendezvous_address"]

@@ -343,10 +343,11 @@ def wait_refs(refs: list[Any], owners: Sequence[tuple[Any, int]]) -> list[Any]:
         done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
         if not done:
             raise _DeadlinePassed([owners[refs.index(r)] for r in pending])
+        lost = None
         try:
             ray.get(done)
         except ray.exceptions.RayActorError:
-            raise _lost(p, owners[refs.index(done[0])]) from None
+            lost = owners[refs.index(done[0])]
         except Exception:
             if pending:
                 ray.wait(pending, num_returns=len(pending), timeout=2)
@@ -358,6 +359,8 @@ def wait_refs(refs: list[Any], owners: Sequence[tuple[Any, int]]) -> list[Any]:
                     except Exception as exc:
                         raise exc from None
             raise
+        if lost is not None:  # raised here, not in the except block: the CLI prints this line, not Ray's error
+            raise _lost(p, lost)
     return ray.get(refs)
 
 

@@ -186,6 +186,8 @@ RESUME_FREE_KEYS = (
     "trainer.save_freq", "trainer.max_checkpoints", "trainer.test_freq", "trainer.val_before_train",
     "trainer.logger", "trainer.progress_bar", "trainer.ray_num_cpus", "trainer.run_dir", "trainer.ray_address",
     "trainer.device", "trainer.placement_strategy", "trainer.weight_transfer",
+    # deadlines and restarts: a run stopped by a deadline resumes with a longer one
+    "trainer.phase_timeout_s", "trainer.phase_timeouts", "trainer.max_restarts", "trainer.restart_wait_s",
     "actor.optim.total_steps", "critic.optim.total_steps",
 )
 

@@ -79,7 +79,18 @@ def train(manifest: str | Path | Manifest | None = None, configs: Sequence[str |
         log.info("polyrl train --dry-run: every start-up check passed (config, plugins, model, data, rewards, "
                  "layout, placement); no worker was started")
         return {}
-    return trainer.fit()
+
+    def attempt(number: int) -> Any:
+        """The first attempt's trainer, or (after a lost worker) a new one from the same config that resumes."""
+        if number == 0:
+            return trainer
+        again = load_config(PolyrlConfig, configs, [*overrides, "trainer.resume=auto"], base=base, plugins=pm,
+                            config_format=config_format, config_path=config_path, config_name=config_name)
+        return _trainer_factory(again, pm)(again, manifest=manifest, plugins=pm)
+
+    from polyrl.trainer.restarts import fit_with_restarts
+
+    return fit_with_restarts(attempt)  # trainer.max_restarts: resumes by itself after a lost worker or node
 
 
 def _trainer_factory(config: Any, pm: Any) -> Any:

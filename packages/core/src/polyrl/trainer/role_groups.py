@@ -392,6 +392,9 @@ def start_ray(config: Any, run_dir: Path, *, workers: int | None = None) -> bool
 
     address = cluster_address(config)
     if address:
+        from polyrl.controller.cluster import check_reachable
+
+        check_reachable(address)  # ray.init would retry an address nobody answers for minutes
         env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
         if "RAY_AUTH_MODE" in os.environ:  # the workers follow the driver's choice, whatever it is
             env_vars["RAY_AUTH_MODE"] = os.environ["RAY_AUTH_MODE"]

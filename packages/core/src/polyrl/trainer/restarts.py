@@ -1,0 +1,90 @@
+"""Restarts: a run that lost a worker (its process or its node) resumes from its last checkpoint by itself.
+
+``trainer.max_restarts`` (default 0: the run stops with one line naming the lost worker, and resumes when started
+again) lets :func:`fit_with_restarts` catch :class:`~polyrl.controller.deadlines.WorkerLostError` up to that many
+times. Each time the failed run has already torn its worker groups down (``fit`` stops them on any error); the
+driver waits up to ``trainer.restart_wait_s`` for the cluster to offer the run's layout again (the pools' CPUs and
+accelerators; a local Ray is simply started afresh), builds a new trainer from the same config and fits it with
+``trainer.resume=auto``: it continues from the newest whole checkpoint, the lines the lost attempt logged after it
+are dropped and those steps run again, so the history holds every step once, as an uninterrupted run's would.
+A layout that does not come back in time stops the run with one line saying what is missing. See docs/cluster.md,
+"Deadlines and restarts".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from polyrl.controller.deadlines import WorkerLostError
+from polyrl.errors import ConfigError
+
+log = logging.getLogger("polyrl")
+
+#: Seconds between two looks at the cluster's resources while waiting for the layout.
+POLL_S = 1.0
+
+
+def fit_with_restarts(make_trainer: Callable[[int], Any]) -> dict[str, float]:
+    """``make_trainer(attempt).fit()``, made again (``attempt`` 1, 2, ...) after a lost worker while
+    ``trainer.max_restarts`` allows; the last attempt's metrics."""
+    attempt = 0
+    trainer = make_trainer(attempt)
+    while True:
+        try:
+            return trainer.fit()
+        except WorkerLostError as exc:
+            limit = int(trainer.config.trainer.max_restarts)
+            if attempt >= limit:
+                raise
+            attempt += 1
+            log.warning("restart %d of %d (trainer.max_restarts): %s", attempt, limit, exc)
+            wait_for_layout(trainer)
+            trainer = make_trainer(attempt)
+
+
+def wait_for_layout(trainer: Any) -> None:
+    """Wait up to ``trainer.restart_wait_s`` until the Ray cluster the run joins has the resources of its pools
+    again (nothing to wait for with a local Ray: a new one starts); raise :class:`ConfigError` saying what is
+    missing when it does not."""
+    from polyrl.controller.cluster import cluster_address
+
+    cfg = trainer.config
+    address = cluster_address(cfg)
+    if not address:
+        return
+    import ray
+
+    from polyrl.trainer.placement import check_pools_fit
+    from polyrl.trainer.role_groups import _platform
+
+    wait_s = float(cfg.trainer.restart_wait_s)
+    accelerator = _platform(cfg).ray_resource
+    deadline = time.monotonic() + wait_s
+    started = not ray.is_initialized()
+    if started:
+        from polyrl.controller.cluster import check_reachable
+
+        check_reachable(address)
+        ray.init(address=address, logging_level=logging.WARNING)
+    try:
+        while True:
+            try:
+                check_pools_fit(trainer.placement, ray.cluster_resources(), accelerator)
+                alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+                log.info("the cluster offers the run's layout again (%d node(s) alive): restarting", alive)
+                return
+            except ConfigError as exc:
+                if time.monotonic() >= deadline:
+                    raise ConfigError(f"trainer.max_restarts: the run's layout cannot be placed again after waiting "
+                                      f"{wait_s:g} s (trainer.restart_wait_s): {exc}; the last checkpoint is whole: "
+                                      "run again once the cluster has the nodes") from None
+            time.sleep(POLL_S)
+    finally:
+        if started:
+            ray.shutdown()  # the new attempt joins with its own settings (start_ray)
+
+
+__all__ = ["fit_with_restarts", "wait_for_layout"]
