@@ -3,6 +3,7 @@ offline, as parquet (or jsonl) rows for ``trainer.name=flow_grpo`` with the ``oc
 
     python examples/diffusion/ocr_prompts.py --out data/ocr --train 512 --val 64
     python examples/diffusion/ocr_prompts.py --out data/ocr --texts my_texts.txt   # one target text per line
+    python examples/diffusion/ocr_prompts.py --out data/ocr --texts flow_grpo/dataset/ocr/train.txt  # whole prompts
 
 Each row::
 
@@ -11,7 +12,10 @@ Each row::
      "reward_model": {"style": "rule", "ground_truth": "amber river"}, "extra_info": {"split": ..., "index": i}}
 
 Without ``--texts`` the texts are random words from a built-in list (seeded: the same command writes
-the same files). The ``ocr`` reward scores an image by ``1 - normalised edit distance`` between the
+the same files). A ``--texts`` line with double quotes is a whole prompt, as in Flow-GRPO's ``dataset/ocr/*.txt``
+(a scene description with the text to render in quotes): it stays the prompt and its quoted text is the ground
+truth. Any other line is a target text, put in a random OCR template. (``data.train_files`` also takes Flow-GRPO's
+``.txt`` files as they are: docs/diffusion.md, "Prompt data".) The ``ocr`` reward scores an image by ``1 - normalised edit distance`` between the
 text RapidOCR reads in it and ``ground_truth`` (docs/diffusion.md, "Rewards").
 """
 
@@ -22,16 +26,23 @@ import random
 from pathlib import Path
 
 from polyrl_diffusion.data import OCR_TEMPLATES, ocr_rows, prompt_row, write_rows
+from polyrl_diffusion.rewards import quoted_text
 
 
 def rows_from_texts(texts: list[str], *, split: str, seed: int, negative_prompt: str | None) -> list[dict]:
-    """Rows whose ground truths are ``texts`` (quotes removed), each in a random OCR template."""
+    """A row per line of ``texts``: a line with a quoted text is a whole prompt (Flow-GRPO's OCR files) whose
+    ground truth is the quoted text; any other line is the ground truth itself, in a random OCR template."""
     rng = random.Random(seed)
     rows = []
-    for i, text in enumerate(texts):
-        text = text.replace('"', "").strip()
-        rows.append(prompt_row(rng.choice(OCR_TEMPLATES).format(text=text), index=i, data_source="ocr",
-                               negative_prompt=negative_prompt, ground_truth=text, split=split))
+    for i, line in enumerate(texts):
+        line = line.strip()
+        if line.count('"') >= 2:
+            prompt, text = line, quoted_text(line)
+        else:
+            text = line
+            prompt = rng.choice(OCR_TEMPLATES).format(text=text)
+        rows.append(prompt_row(prompt, index=i, data_source="ocr", negative_prompt=negative_prompt,
+                               ground_truth=text, split=split))
     return rows
 
 
@@ -40,8 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="data/ocr", help="output folder (train/val files go there)")
     parser.add_argument("--train", type=int, default=512, help="training prompts (random words)")
     parser.add_argument("--val", type=int, default=64, help="validation prompts (random words)")
-    parser.add_argument("--texts", help="a text file, one target text per line (replaces the random words; "
-                                        "the last --val lines become the validation set)")
+    parser.add_argument("--texts", help="a text file, one target text or one whole prompt with the text in double "
+                                        "quotes per line (Flow-GRPO's dataset/ocr/*.txt); replaces the random "
+                                        "words; the last --val lines become the validation set")
     parser.add_argument("--negative-prompt", default="blurry, distorted letters, low quality")
     parser.add_argument("--format", choices=("parquet", "jsonl"), default="parquet")
     parser.add_argument("--seed", type=int, default=0)

@@ -178,3 +178,27 @@ def test_image_reward_manager_picks_reward_by_data_source():
     assert float(scores[1]) == pytest.approx(float(jpeg_compressibility(imgs[1:])[0]))
     with pytest.raises(KeyError, match="no image reward registered for data_source 'gsm8k'"):
         manager.score(imgs, ["a", "b"], data_sources=["gsm8k", "gsm8k"])
+
+
+def test_rapidocr_warnings_go_to_the_run_log_not_the_console(tmp_path, capfd):
+    """Issue 47: RapidOCR's "The text detection result is empty" (one per image without text) filled the console."""
+    import logging
+
+    from polyrl_diffusion.rewards import OcrReward
+
+    from polyrl.logs import setup_run_logging
+
+    log_file = setup_run_logging(tmp_path)
+    try:
+        out = OcrReward()(np.zeros((2, 48, 48, 3), dtype=np.uint8), ['a sign "open"', 'a sign "shut"'])
+        assert out["score"] == [0.0, 0.0]
+        captured = capfd.readouterr()
+        assert "RapidOCR" not in captured.err + captured.out and "detection result is empty" not in captured.err
+        for handler in logging.getLogger("polyrl").handlers:
+            handler.flush()
+        assert "The text detection result is empty" in log_file.read_text()
+    finally:
+        for handler in list(logging.getLogger("polyrl").handlers):
+            if getattr(handler, "baseFilename", None) == str(log_file):
+                logging.getLogger("polyrl").removeHandler(handler)
+                handler.close()

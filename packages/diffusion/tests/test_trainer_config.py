@@ -99,3 +99,39 @@ def test_every_numeric_key_of_the_diffusion_blocks_is_checked():
     for key, _ in _numbers(DiffusersRolloutConfig(), skip=("sampler",)):
         with pytest.raises(ConfigError, match=rf"rollout\.diffusers\.{key}="):
             check_numbers(replaced(DiffusersRolloutConfig(), key, -1), "rollout.diffusers", skip=("sampler",))
+
+
+def _by_data_source(setup, tmp_path, rows, name, extra=()):
+    """A dry run whose rows pick their image reward by data_source (no reward.function)."""
+    root, models = setup
+    data = tmp_path / name
+    if name.endswith(".txt"):
+        data.parent.mkdir(parents=True, exist_ok=True)
+        data.write_text("\n".join(rows) + "\n")
+    else:
+        data.write_text("\n".join(json.dumps(r) for r in rows))
+    return train(root / "m.toml", [], [
+        f"model.path={models['sd3']}", f"data.train_files=[{data}]", "data.train_batch_size=4",
+        "actor.engine=diffusers", "rollout.name=diffusers", "trainer.name=flow_grpo", "trainer.executor=local",
+        "algorithm.adv_estimator=flow_grpo", "actor.policy_loss.loss_mode=flow_grpo", "actor.ppo_mini_batch_size=4",
+        "rollout.n=2", "trainer.total_steps=1", f"trainer.run_dir={tmp_path / 'run'}", "trainer.progress_bar=false",
+        "trainer.logger=[jsonl]", *extra], dry_run=True)
+
+
+def test_a_data_source_without_an_image_reward_fails_the_dry_run_in_one_line(setup, tmp_path):
+    """Issue 47: such rows passed --dry-run, then died at step 1 with a KeyError traceback."""
+    rows = [{"prompt": "a red house", "data_source": "pickscore"}] * 4
+    with pytest.raises(ConfigError) as err:
+        _by_data_source(setup, tmp_path, rows, "rows.jsonl")
+    msg = str(err.value)
+    assert "\n" not in msg and "'pickscore'" in msg and "rows.jsonl" in msg and "reward.function" in msg, msg
+    assert "brightness" in msg and "ocr" in msg  # the image rewards there are
+    assert not (tmp_path / "run").exists()
+    # Flow-GRPO's pickscore/*.txt: data_source from the folder, the same one line
+    with pytest.raises(ConfigError, match=r"'pickscore'.*reward\.function"):
+        _by_data_source(setup, tmp_path, ["a red house"] * 4, "pickscore/train.txt")
+    # the fixes the message names pass: a data source with an image reward, or reward.function
+    assert _by_data_source(setup, tmp_path, [dict(r, data_source="brightness") for r in rows], "ok.jsonl") == {}
+    assert _by_data_source(setup, tmp_path, rows, "rows.jsonl", ["reward.function=brightness"]) == {}
+    # Flow-GRPO's ocr/*.txt loads as it is and reaches the ocr reward
+    assert _by_data_source(setup, tmp_path, ['a sign that says "open"'] * 4, "ocr/train.txt") == {}

@@ -5,8 +5,10 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 from polyrl_diffusion.quickstart import flow_grpo_overrides
@@ -28,7 +30,7 @@ def test_captioned_grid_places_each_image_over_its_caption(tmp_path):
     assert (grid[40:, 16:] == 255).all()  # the empty cell stays blank
 
 
-def test_validation_writes_png_grid_and_jsonl(tmp_path):
+def test_validation_writes_png_grid_and_jsonl(tmp_path, caplog):
     from polyrl_diffusion.models import make_tiny_pipeline
 
     model = make_tiny_pipeline(tmp_path / "model", family="sd3", seed=0)
@@ -39,13 +41,19 @@ def test_validation_writes_png_grid_and_jsonl(tmp_path):
     manifest = tmp_path / "polyrl.toml"
     manifest.write_text('[plugins]\nrequire = ["polyrl-engine-fsdp", "polyrl-diffusion"]\n')
     run = tmp_path / "run"
-    train(manifest, [], [*flow_grpo_overrides(model, tmp_path / "train.jsonl", run, batch=2, n=2, lr=1e-3, steps=1,
-                                              sampler_steps=2),
-                         f"data.val_files=[{tmp_path / 'val.jsonl'}]", "trainer.flow_grpo.eval_steps=2"])
+    with caplog.at_level(logging.INFO, logger="polyrl"):
+        train(manifest, [], [*flow_grpo_overrides(model, tmp_path / "train.jsonl", run, batch=2, n=2, lr=1e-3,
+                                                  steps=1, sampler_steps=2),
+                             f"data.val_files=[{tmp_path / 'val.jsonl'}]", "trainer.flow_grpo.eval_steps=2",
+                             "trainer.logger=[jsonl,console]"])
     val_dir = run / "generations" / "validation"
     got = read_jsonl(val_dir / "0.jsonl")
     assert [r["prompt"] for r in got] == prompts and all(isinstance(r["score"], float) for r in got)
     metrics = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
-    assert np.mean([r["score"] for r in got]) == metrics["val/images/reward_mean"]
+    assert np.mean([r["score"] for r in got]) == pytest.approx(metrics["val/images/mean@1"])
+    # issue 47: a diffusion run's validation score reaches the console's step line and the end-of-run summary
+    step_lines = [r.getMessage() for r in caplog.records if r.name == "polyrl.metrics"]
+    assert any("val/images/mean@1=" in line for line in step_lines), step_lines
+    assert any("best val/images/mean@1" in r.getMessage() for r in caplog.records), caplog.text
     grid = np.asarray(Image.open(val_dir / "0.png"))
     assert grid.shape[1] % 3 == 0 and grid.shape[0] - 24 == grid.shape[1] // 3  # three square images, one row

@@ -11,7 +11,9 @@ A row::
 
 ``prompt`` may also be a plain string. Files are parquet or JSON lines and are read with the
 core's dataset loaders (:func:`polyrl.data.dataset.load_rows`), so ``data.train_files`` of a
-``flow_grpo`` run takes them as they are. ``data_source`` picks the image reward when
+``flow_grpo`` run takes them as they are; so are Flow-GRPO's own prompt files (``dataset/ocr/train.txt``,
+``dataset/pickscore/train.txt``: :func:`load_prompt_lines`; ``dataset/geneval/train_metadata.jsonl``:
+:func:`from_flow_grpo`). ``data_source`` picks the image reward when
 ``reward.function`` is empty (docs/diffusion.md, "Rewards").
 """
 
@@ -125,11 +127,54 @@ def check_prompt_row(row: Any, source: str, i: int) -> None:
         raise DataError(f"{source} row {i}: the prompt text is empty")
 
 
+def load_prompt_lines(path: str | Path, *, config: Any = None) -> list[dict]:
+    """Rows of a prompt file in Flow-GRPO's text format (``dataset/<task>/<split>.txt``: one prompt a line, blank
+    lines skipped; registered as the ``.txt`` dataset loader). ``data_source`` is the folder's name (``ocr``,
+    ``pickscore``...; it picks the image reward), ``extra_info`` the split (the file's stem) and line index, and an
+    ``ocr`` prompt's ground truth its quoted text (what Flow-GRPO's OCR reward compares with). Prompts stay plain
+    strings, as Flow-GRPO passes them."""
+    from polyrl_diffusion.rewards import quoted_text
+
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise DataError(f"data file {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    task, split = path.parent.name, path.stem
+    prompts = [line.strip() for line in lines if line.strip()]
+    return [prompt_row(p, index=i, data_source=task, ground_truth=quoted_text(p) if task == "ocr" else None,
+                       split=split, chat=False) for i, p in enumerate(prompts)]
+
+
+#: Flow-GRPO's GenEval prompt files: ``dataset/geneval/<split>_metadata.jsonl``.
+GENEVAL_SUFFIX = "_metadata.jsonl"
+
+
+def from_flow_grpo(rows: list[dict], path: str | Path) -> list[dict]:
+    """``rows`` of ``path`` in verl's format: rows of Flow-GRPO's GenEval metadata files (``*_metadata.jsonl``:
+    ``{"tag", "include", "prompt", ...}`` without a ``data_source``) get ``data_source="geneval"`` and their metadata
+    (everything but the prompt) as ``extra_info``, where a GenEval reward reads it; other rows are kept as they are."""
+    name = Path(path).name
+    if not name.endswith(GENEVAL_SUFFIX):
+        return rows
+    split = name[: -len(GENEVAL_SUFFIX)]
+    out = []
+    for i, row in enumerate(rows):
+        if isinstance(row, dict) and "data_source" not in row and "prompt" in row:
+            meta = {k: v for k, v in row.items() if k != "prompt"}
+            row = {"data_source": "geneval", "prompt": row["prompt"], "ability": "text_to_image",
+                   "reward_model": {"style": "rule", "ground_truth": None},
+                   "extra_info": {"split": split, "index": i, **meta}}
+        out.append(row)
+    return out
+
+
 def load_prompt_rows(path: str | Path) -> list[dict]:
-    """Rows of a parquet / JSON-lines prompt file, read by the core's loaders and checked row by row."""
+    """Rows of a prompt file (parquet, JSON lines, Flow-GRPO's ``.txt`` and ``*_metadata.jsonl``), read by the
+    core's loaders (:func:`from_flow_grpo`) and checked row by row."""
     from polyrl.data.dataset import load_rows
 
-    rows = load_rows(path)
+    rows = from_flow_grpo(load_rows(path), path)
     for i, row in enumerate(rows):
         check_prompt_row(row, str(path), i)
     return rows

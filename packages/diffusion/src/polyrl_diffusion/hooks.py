@@ -62,3 +62,9 @@ def register_reward_managers(register):
 def register_reward_functions(register):
     for name in ("brightness", "colourfulness", "jpeg_compressibility", "jpeg_incompressibility", "ocr"):
         register(name, f"polyrl_diffusion.rewards:{name}", kind="image", data_sources=[name])
+
+
+@hookimpl
+def register_datasets(register):
+    register("prompt_lines", "polyrl_diffusion.data:load_prompt_lines", suffixes=[".txt"],
+             description="Flow-GRPO's prompt files: one prompt a line; data_source = the folder's name")

@@ -205,6 +205,11 @@ class OcrReward:
                                       "'polyrl-diffusion[ocr]' (or pip install rapidocr onnxruntime)") from exc
                 self._engine = RapidOCR(params={"Global.use_cls": False, "Global.log_level": "warning",
                                                 "Det.limit_type": "max", "Det.limit_side_len": self.det_max_side})
+                from polyrl.logs import route_library_logger
+
+                # its warnings ("The text detection result is empty", one per image without text) go to the run's
+                # log file; only its errors reach the console
+                route_library_logger("RapidOCR", logging.ERROR)
             return self._engine
 
     def recognise(self, image: np.ndarray) -> str:
@@ -425,6 +430,25 @@ def _field(batch: Any, names: Sequence[str], what: str) -> Any:
                    f"has {sorted(keys)}")
 
 
+def image_reward_entry(data_source: str, plugins: Any = None) -> Any:
+    """The registry entry of the image reward registered for ``data_source`` (``kind="image"``,
+    ``data_sources=[...]``), or ``None``."""
+    from polyrl.plugins import get_plugin_manager
+
+    for entry in (plugins or get_plugin_manager()).registry("reward_function").entries():
+        if entry.metadata.get("kind") == "image" and data_source in entry.metadata.get("data_sources", ()):
+            return entry
+    return None
+
+
+def image_data_sources(plugins: Any = None) -> list[str]:
+    """The data sources some registered image reward scores, sorted."""
+    from polyrl.plugins import get_plugin_manager
+
+    return sorted({s for e in (plugins or get_plugin_manager()).registry("reward_function").entries()
+                   if e.metadata.get("kind") == "image" for s in e.metadata.get("data_sources", ())})
+
+
 class ImageRewardManager:
     """Scores a batch of generated images (registered as reward manager ``image``).
 
@@ -447,16 +471,12 @@ class ImageRewardManager:
         self.reward = None if self.by_data_source else build_image_reward(compute_score)
 
     def _reward_for(self, data_source: str) -> ImageReward:
-        from polyrl.plugins import get_plugin_manager
-
-        registry = get_plugin_manager().registry("reward_function")
-        for entry in registry.entries():
-            if entry.metadata.get("kind") == "image" and data_source in entry.metadata.get("data_sources", ()):
-                return entry.load()
-        known = sorted({s for e in registry.entries() if e.metadata.get("kind") == "image"
-                        for s in e.metadata.get("data_sources", ())})
-        raise KeyError(f"no image reward registered for data_source '{data_source}' (known: {', '.join(known)}); "
-                       "set reward.function to an image reward (docs/diffusion.md, Rewards)")
+        entry = image_reward_entry(data_source)
+        if entry is None:  # the trainer's start-up check (FlowGRPOTrainer.check_rewards) refuses such rows first
+            raise KeyError(f"no image reward registered for data_source '{data_source}' (known: "
+                           f"{', '.join(image_data_sources())}); set reward.function to an image reward "
+                           "(docs/diffusion.md, Rewards)")
+        return entry.load()
 
     def score(self, images: Any, prompts: Sequence[str], ground_truths: Sequence[Any] | None = None,
               extra_infos: Sequence[dict] | None = None,

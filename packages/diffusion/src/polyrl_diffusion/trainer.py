@@ -126,6 +126,7 @@ class FlowGRPOTrainer(PPOTrainer):
         tokens after its template's prefix) becomes ``rollout.<name>.text_length`` unless the run sets it."""
         from polyrl.data.dataset import load_rows, validate_row
         from polyrl_diffusion.agent_loop import prompt_text
+        from polyrl_diffusion.data import from_flow_grpo
 
         data = self.config.data
         limit = self._max_text_length()
@@ -135,7 +136,7 @@ class FlowGRPOTrainer(PPOTrainer):
         def load(files: Any) -> list[dict]:
             rows: list[dict] = []
             for f in files:
-                for i, row in enumerate(load_rows(f, self.pm)):
+                for i, row in enumerate(from_flow_grpo(load_rows(f, self.pm), f)):  # Flow-GRPO's files as they are
                     validate_row(row, str(f), i)
                     for key in ("prompt", "negative_prompt"):
                         text = prompt_text(row.get(key)) if row.get(key) is not None else None
@@ -231,7 +232,7 @@ class FlowGRPOTrainer(PPOTrainer):
                 "throughput/gen_images_per_s": n / max(timing["gen"], 1e-9)}
 
     def validate(self) -> dict[str, float]:
-        """Mean reward per data source of ODE samples with ``trainer.flow_grpo.eval_steps`` steps (one image per
+        """Mean reward per data source (``val/<data source>/mean@1``) of ODE samples with ``trainer.flow_grpo.eval_steps`` steps (one image per
         validation prompt, seeded: the same noise every time, so the curve shows the model, not the draw). With an
         EMA (``trainer.flow_grpo.ema``) the rollout samples with the EMA's weights, then gets the run's back."""
         if not self.ema_validation:
@@ -268,11 +269,35 @@ class FlowGRPOTrainer(PPOTrainer):
                 if not s.get("_pad"):
                     per_source[sources[i] or "images"].append(float(scores[i]))
             self.last_val_images = batch["images"][: len(part)]
-        return {f"val/{src}/reward_mean": float(np.mean(v)) for src, v in per_source.items()}
+        # the text trainer's name (verl's mean@N of the reward): the console's step line and the end-of-run summary
+        return {f"val/{src}/mean@1": float(np.mean(v)) for src, v in per_source.items()}
 
     # ------------------------------------------------------------------ what a validation generated
     def check_rewards(self) -> None:
-        """Image rewards score images and prompts, not verl's data sources: nothing to check before start."""
+        """Refuse (one ConfigError, before the pipeline loads) a data file whose first rows name a ``data_source`` no
+        image reward scores, when the rewards are picked by data source (the ``image`` manager and no
+        ``reward.function``): the core's seam (:meth:`PPOTrainer.check_rewards`) with image rewards."""
+        from polyrl.data.dataset import head_rows
+        from polyrl.rewards.reachability import SAMPLE_ROWS
+        from polyrl.rewards.scoring import reward_function_spec
+        from polyrl_diffusion.data import from_flow_grpo
+        from polyrl_diffusion.rewards import image_data_sources, image_reward_entry
+
+        cfg = self.config
+        manager = cfg.reward.manager if cfg.reward.manager != "naive" else self.flow.reward_manager
+        if manager != "image" or reward_function_spec(cfg.reward):
+            return  # a reward manager of its own, or one reward for every row
+        for key in ("val_files", "train_files"):
+            for file in getattr(cfg.data, key):
+                rows = from_flow_grpo(head_rows(file, SAMPLE_ROWS, self.pm), file)
+                for source in dict.fromkeys(str(r.get("data_source") or "") for r in rows if isinstance(r, dict)):
+                    if image_reward_entry(source, self.pm) is None:
+                        what = f"data_source '{source}'" if source else "rows without a data_source"
+                        raise ConfigError(
+                            f"data.{key} ({file}): no image reward scores {what} (image rewards by data_source: "
+                            f"{', '.join(image_data_sources(self.pm))}); set reward.function to an image reward "
+                            "(reward.function=ocr, or weights: reward.function=ocr=1,brightness=0.2) or give the "
+                            "rows a data_source one scores (docs/diffusion.md, Rewards)")
 
     def generation_rows(self, batch: TensorDict, *, step: int, kind: str, keep: list[bool] | None = None) -> list[dict]:
         """Prompt, reward and sample id of each image (the images themselves go to the PNG grid)."""
