@@ -51,13 +51,19 @@ def test_gigpo_trains_on_step_rows(tiny_model, tmp_path, monkeypatch):
     run = tmp_path / "run"
     train(manifest, [], [
         f"model.path={tiny_model}", f"data.train_files=[{tmp_path / 'train.jsonl'}]", "data.train_batch_size=2",
+        f"data.val_files=[{tmp_path / 'train.jsonl'}]", "rollout.val_n=2",
         "data.max_prompt_length=160", "data.max_response_length=6", "actor.engine=fsdp", "actor.ppo_mini_batch_size=2",
         "actor.micro_batch_size=16", "actor.optim.lr=1e-3", "rollout.n=4", "algorithm.adv_estimator=gigpo",
         "algorithm.gamma=0.95", "trainer.executor=local", "trainer.total_steps=2", "trainer.progress_bar=false",
-        "trainer.logger=[jsonl]", "trainer.val_before_train=false", f"trainer.rollout_data_dir={run / 'rollouts'}",
+        "trainer.logger=[jsonl]", "trainer.val_before_train=true", "trainer.test_freq=0", f"trainer.rollout_data_dir={run / 'rollouts'}",
         f"trainer.run_dir={run}"])
-    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in steps if "env/episodes" in r]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # validation: one result per episode (4 rows x val_n 2)
+    val = [r for r in metrics if "val/env/corridor/success_rate" in r]
+    assert val, "no validation metrics"
+    rate = val[0]["val/env/corridor/success_rate"]
+    assert 0.0 <= rate <= 1.0 and float(rate * 8).is_integer(), rate  # per episode (8), not per step row
+    steps = [r for r in metrics if "env/episodes" in r]
     assert len(steps) == 2
     for r in steps:
         assert r["env/episodes"] == 8  # 2 prompts x 4 samples
