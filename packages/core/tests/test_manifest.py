@@ -29,8 +29,15 @@ def test_unknown_keys_suggest(tmp_path):
         Manifest.load(write(tmp_path, '[plugin]\nrequire = ["x"]\n'))
 
 
-def test_missing_plugin_gives_pip_line(tmp_path):
+def test_missing_plugin_gives_pip_line_only_for_polyrls_own(tmp_path, monkeypatch):
+    import polyrl.manifest
+
     m = Manifest.load(write(tmp_path, '[plugins]\nrequire = ["polyrl-not-installed>=0.1"]\n'))
+    with pytest.raises(ManifestError, match=r"not installed\. Fix the name in \[plugins\]\.require") as err:
+        m.check_requirements()  # a name polyrl does not know: no install line (typo-squatting)
+    assert "pip install 'polyrl-not-installed" not in str(err.value)
+    # one of polyrl's own packages (all installed here: pretend this one is polyrl's) keeps its install line
+    monkeypatch.setattr(polyrl.manifest, "OWN_DISTRIBUTIONS", ("polyrl-not-installed",))
     with pytest.raises(ManifestError, match=r"not installed\. Install it: pip install 'polyrl-not-installed>=0.1'"):
         m.check_requirements()
 

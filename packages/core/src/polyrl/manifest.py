@@ -107,7 +107,7 @@ class Manifest:
             except importlib.metadata.PackageNotFoundError:
                 raise ManifestError(
                     f"manifest {self.source or '<manifest>'} requires '{text}', which is not installed. "
-                    f"Install it: pip install '{text}'"
+                    f"{_missing_distribution_hint(req.name, text)}"
                 ) from None
             if req.specifier and not req.specifier.contains(version, prereleases=True):
                 raise ManifestError(
@@ -151,6 +151,27 @@ class Manifest:
         for key, values in data["plugins"].items():
             lines.append(f"{key} = [{', '.join(_toml_str(v) for v in values)}]")
         return "\n".join(lines) + "\n"
+
+
+#: polyrl's own plugin distributions: a manifest requiring one that is missing gets its ``pip install`` line.
+OWN_DISTRIBUTIONS = ("polyrl-engine-fsdp", "polyrl-engine-megatron", "polyrl-rollout-vllm", "polyrl-rollout-sglang",
+                     "polyrl-diffusion", "polyrl-recipes", "polyrl-hw-ascend", "polyrl-hw-rocm")
+
+
+def _missing_distribution_hint(name: str, text: str) -> str:
+    """What to do about a required distribution that is not installed. A ``pip install`` line only for polyrl's own
+    packages; any other name gets the installed plugins (and polyrl's packages) it is close to, never an install
+    line of its own (a misspelt name could be someone else's package on the index: typo-squatting)."""
+    canon = canonicalize_name(name)
+    if canon in OWN_DISTRIBUTIONS:
+        return f"Install it: pip install '{text}'"
+    installed = sorted({canonicalize_name(ep.dist.name) for ep in importlib.metadata.entry_points(group="polyrl")
+                        if ep.dist is not None})
+    close = difflib.get_close_matches(canon, sorted({*installed, *OWN_DISTRIBUTIONS}), n=2, cutoff=0.75)
+    shown = [f"'{c}' (installed)" if c in installed else f"'{c}' (polyrl's: pip install '{c}')" for c in close]
+    guess = f"Did you mean {' or '.join(shown)}? " if shown else ""
+    return (f"{guess}Fix the name in [plugins].require, or install the distribution that provides the plugin "
+            f"(installed polyrl plugins: {', '.join(installed) or 'none'})")
 
 
 def _toml_str(value: str) -> str:

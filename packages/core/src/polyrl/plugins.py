@@ -59,6 +59,8 @@ class PluginManager:
         self.pm.add_hookspecs(hookspecs)
         self.plugins: dict[str, PluginInfo] = {}
         self.registries: dict[str, Registry] = {kind: Registry(kind) for kind in HOOK_FOR_KIND}
+        for kind, registry in self.registries.items():
+            registry.unloaded_providers = lambda name, kind=kind: self.unloaded_providers(kind, name)
         self._trace = os.environ.get("POLYRL_TRACE_HOOKS", "") not in ("", "0")
         if self._trace:  # the trace is asked for: make sure it reaches stderr, whatever logging is configured
             from polyrl.logs import setup_console_logging
@@ -108,6 +110,31 @@ class PluginManager:
                     f"{traceback.format_exc()}\nFix or uninstall {dist}, or block it in the manifest."
                 ) from exc
             self.add_plugin(module, PluginInfo(ep.name, dist, version, ep.module))
+
+    def unloaded_providers(self, kind: str, name: str | None = None, *, data_source: str | None = None) -> str:
+        """For an error about a name no loaded plugin registers: which installed plugin that this manifest leaves
+        out (not required, or blocked) registers ``kind`` ``name`` (or, with ``data_source``, a reward function for
+        that data source), as one sentence saying what to change in the manifest; ``""`` when none does.
+
+        Only called on that error path: it imports the hook modules of the plugins left out (cheap by design,
+        DESIGN.md) and runs their registration hook against a throw-away register."""
+        if self.manifest is None:
+            return ""  # every installed plugin is loaded
+        where = self.manifest.source or "your manifest"
+        loaded = {info.distribution for info in self.plugins.values()}
+        found: list[tuple[str, bool]] = []
+        for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            dist = ep.dist.name if ep.dist is not None else None
+            if dist is None or dist in loaded or any(d == dist for d, _ in found):
+                continue
+            if _registers(ep, HOOK_FOR_KIND[kind], name, data_source):
+                found.append((dist, self.manifest.is_blocked(ep.name, dist, ep.module)))
+        if not found:
+            return ""
+        dist, blocked = found[0]
+        if blocked:
+            return f"installed {dist} provides it, but {where} blocks it: remove it from [plugins].block."
+        return f"installed {dist} provides it: add it to [plugins].require in {where}."
 
     def add_plugin(self, plugin: ModuleType | object, info: PluginInfo) -> None:
         """Register ``plugin`` (a hooks module or object) and collect its registrations."""
@@ -242,6 +269,27 @@ class PluginManager:
                 }
             )
         return out
+
+
+def _registers(ep: Any, hook_name: str, name: str | None, data_source: str | None) -> bool:
+    """Whether entry point ``ep``'s hook module registers ``name`` (or a reward function for ``data_source``)
+    through ``hook_name``; a module that fails to import or to register counts as not (this is only a hint)."""
+    names: list[tuple[str, dict]] = []
+    try:
+        module = ep.load()
+        impl = getattr(module, hook_name, None)
+        if impl is None:
+            return False
+        impl(register=lambda n, obj, **metadata: names.append((n, metadata)))
+    except Exception:  # a broken plugin is reported when it is loaded; here it is simply no provider
+        return False
+    for registered, metadata in names:
+        aliases = metadata.get("aliases") or ()
+        if name is not None and (registered == name or name in ([aliases] if isinstance(aliases, str) else aliases)):
+            return True
+        if data_source is not None and data_source in (metadata.get("data_sources") or ()):
+            return True
+    return False
 
 
 def _import_plugin_module(module_name: str, where: str) -> ModuleType:

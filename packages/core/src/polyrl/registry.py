@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -145,6 +145,9 @@ class Registry:
         self.kind = kind
         self._entries: dict[str, Entry] = {}
         self._aliases: dict[str, str] = {}
+        #: Set by the plugin manager: a sentence naming an installed plugin, not loaded, that registers a name
+        #: (``installed X provides it: add it to [plugins].require in M``), or ``""``.
+        self.unloaded_providers: Callable[[str], str] | None = None
 
     def register(self, name: str, obj: Any, *, plugin: PluginInfo, **metadata: Any) -> None:
         """Add ``name``; its ``aliases`` metadata adds other names for the same entry."""
@@ -203,6 +206,9 @@ class Registry:
         if close:
             msg += f" Did you mean '{close[0]}'?"
         msg += f" Available: {', '.join(sorted(available)) or '(none)'}."
+        hidden = self.unloaded_providers(name) if self.unloaded_providers is not None else ""
+        if hidden:
+            return msg + " " + hidden
         provider = KNOWN_PROVIDERS.get((self.kind, name))
         if provider:
             msg += (

@@ -128,7 +128,7 @@ def check_rewards_reachable(rows: Sequence[dict], reward: Any, data: Any, *, sou
             f"{source}: no reward function scores data_source {shown} (column '{ds_key}' of the first "
             f"{len(sample)} rows): every sample would get reward.fallback_score. Set reward.function (a registered "
             f"name or path/to/file.py:compute_score; verl: custom_reward_function.path), or use a data source with "
-            f"a built-in function ({', '.join(known)})")
+            f"a built-in function ({', '.join(known)}){_unloaded_scorer(pm, no_function)}")
     data_source, name, row = no_truth[0]
     column = getattr(data, "ground_truth_key", "reward_model.ground_truth")
     candidates = _truth_columns(row)
@@ -138,6 +138,17 @@ def check_rewards_reachable(rows: Sequence[dict], reward: Any, data: Any, *, sou
         f"{source}: none of the first {len(sample)} rows has a ground truth at '{column}' (data.ground_truth_key), "
         f"which reward function '{name}' for data_source '{data_source}' reads: every sample would score 0. The rows "
         f"have columns {', '.join(sorted(row))}; {hint}")
+
+
+def _unloaded_scorer(pm: Any, data_sources: list[str]) -> str:
+    """``"; installed X provides it: add it to [plugins].require in M"`` when a plugin the manifest leaves out scores
+    one of ``data_sources``."""
+    finder = getattr(pm, "unloaded_providers", None)
+    for source in dict.fromkeys(data_sources):
+        hint = finder("reward_function", data_source=source) if finder is not None else ""
+        if hint:
+            return f"; for '{source}', {hint}"
+    return ""
 
 
 def _truth_columns(row: dict) -> list[str]:
