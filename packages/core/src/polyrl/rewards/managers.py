@@ -240,11 +240,8 @@ class DAPORewardManager(NaiveRewardManager):
 
 
 def _columns(extras: list[dict], n: int) -> dict[str, list]:
-    """Per-sample extra fields as columns. A sample without a field (a failed call returns none) gets 0.0 in a
-    numeric column (``acc``, GDPO's reward components: read with ``float``) and None in any other."""
+    """Per-sample extra fields as columns. A sample without a field (a failed call returns none) gets 0.0 in ``acc``
+    (it is not correct) and None in any other column (shown as missing, not as a made-up 0.0; the trainer reads a
+    None reward component as 0.0)."""
     keys = {k for e in extras for k in e}
-    out: dict[str, list] = {}
-    for k in keys:
-        numeric = any(isinstance(e.get(k), numbers.Real) for e in extras)
-        out[k] = [e.get(k, 0.0 if numeric else None) for e in extras]
-    return out
+    return {k: [e.get(k, 0.0 if k == "acc" else None) for e in extras] for k in keys}

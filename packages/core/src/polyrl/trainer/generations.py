@@ -103,9 +103,10 @@ def _turns(tokens: torch.Tensor, valid: torch.Tensor, trained: torch.Tensor, tok
 
 
 def reward_extras(extra: dict[str, Sequence[Any]], n: int) -> list[dict]:
-    """Per-sample dicts of a reward output's extra columns (``acc``, ``pred``...; ``score`` left out)."""
+    """Per-sample dicts of a reward output's extra columns (``acc``, ``pred``...; ``score`` left out, and a column the
+    sample has no value in: a missing ``pred`` is not shown as ``pred: 0.0``)."""
     cols = {k: v for k, v in extra.items() if k != "score" and isinstance(v, (list, tuple)) and len(v) == n}
-    return [{k: _plain(v[i]) for k, v in cols.items()} for i in range(n)]
+    return [{k: _plain(v[i]) for k, v in cols.items() if v[i] is not None} for i in range(n)]
 
 
 def _plain(value: Any) -> Any:

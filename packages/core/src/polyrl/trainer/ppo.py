@@ -823,7 +823,7 @@ class PPOTrainer:
                 reward_metrics[k].append(float(v))
             for key in ("acc", "score", *cfg.algorithm.gdpo_reward_keys):  # GDPO reads its reward components
                 if key in out.extra:
-                    batch[f"_{key}"] = torch.tensor([float(x) for x in out.extra[key]])
+                    batch[f"_{key}"] = torch.tensor([float(x) if x is not None else 0.0 for x in out.extra[key]])
             if not filter_cfg.enable:
                 kept = [batch]
                 kept_groups = batch.batch_size[0] // n
@@ -969,7 +969,8 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
-        """mean@1 (and pass@k with ``rollout.val_n > 1``) per data source on the validation set."""
+        """mean@1 (and pass@k with ``rollout.val_n > 1``) per data source on the validation set: of the reward
+        function's ``acc`` when it returns one, else of the score (verl's ``val-core`` metric; docs/running.md)."""
         from polyrl.data import RLDataLoader
 
         cfg = self.config
@@ -1001,7 +1002,10 @@ class PPOTrainer:
                     break
                 continue
             self.record_validation(batch, keep=[not rows[j // k].get("_pad") for j in range(batch.batch_size[0])])
-            correct = out.extra.get("acc") or [float(s > 0) for s in out.token_level_scores.sum(-1).tolist()]
+            # verl's val-core variable: the reward function's ``acc`` when it returns one, else the score itself
+            acc = out.extra.get("acc")
+            correct = ([float(a) if a is not None else 0.0 for a in acc] if acc
+                       else out.token_level_scores.sum(-1).tolist())
             if "tool_calls" in batch.keys():
                 tool_use += [float(c > 0) for j, c in enumerate(batch["tool_calls"].tolist()) if not rows[j // k].get("_pad")]
             for i in range(0, len(correct), k):
