@@ -43,7 +43,7 @@ def test_a_gguf_model_path_trains_and_every_role_loads_its_converted_folder(real
     monkeypatch.setenv("POLYRL_CACHE_DIR", str(tmp_path / "cache"))
     cached = tmp_path / "cache" / "gguf" / f"{real_model_gguf.stem}-{file_sha256(real_model_gguf)[:12]}"
     cached.parent.mkdir(parents=True)
-    shutil.copytree(real_model_dir, cached, copy_function=os.link)  # converted before (polyrl models convert's test)
+    shutil.copytree(real_model_dir, cached, copy_function=os.link)  # converted before (hard links: read only)
     metrics = train(manifest_file, [], base_overrides + [
         f"model.path={real_model_gguf}", "trainer.executor=local", "trainer.total_steps=1", "data.train_batch_size=2",
         "rollout.n=2", "data.max_prompt_length=64", "data.max_response_length=4", "actor.ppo_mini_batch_size=2",

@@ -69,7 +69,7 @@ def test_model_blocks_naming_a_gguf_point_at_its_converted_folder(real_model_ggu
     sha = file_sha256(real_model_gguf)
     cached = tmp_path / "cache" / "gguf" / f"{real_model_gguf.stem}-{sha[:12]}"
     cached.parent.mkdir(parents=True)
-    shutil.copytree(real_model_dir, cached, copy_function=os.link)  # a conversion made earlier: a cache hit
+    shutil.copytree(real_model_dir, cached, copy_function=os.link)  # made earlier: a cache hit (hard links: read only)
 
     by_file = OmegaConf.structured(ModelConfig(path=str(real_model_gguf)))
     check_model_paths(by_file, "actor.model")
@@ -81,7 +81,6 @@ def test_model_blocks_naming_a_gguf_point_at_its_converted_folder(real_model_ggu
     check_model_paths(plain, "ref.model")
     assert plain.path == str(real_model_dir)
 
-    (cached / MARKER).write_text(json.dumps({"sha256": "0" * 64, "conversion": 1}))  # another file's conversion
     missing = OmegaConf.structured(ModelConfig(path=str(tmp_path / "nope.gguf")))
     with pytest.raises(ConfigError, match=r"^actor\.model\.path=.*nope\.gguf: no such GGUF file$"):
         check_model_paths(missing, "actor.model")
