@@ -82,6 +82,10 @@ def parse_value(text: str) -> Any:
     return value
 
 
+#: Characters Hydra's override grammar lets an unquoted value escape with a backslash.
+_ESCAPABLE = "\\()[]{}:=, \t"
+
+
 class _Parser:
     def __init__(self, text: str) -> None:
         self.text, self.pos = text, 0
@@ -162,16 +166,24 @@ class _Parser:
                 raise ValueError("a mapping must look like {a: 1, b: 2}")
 
     def primitive_text(self, stop: str) -> str:
+        """An unquoted value up to one of ``stop``; Hydra's escapes (``\\{``, ``\\,``, ``\\:``...) are kept as the
+        character."""
+        out: list[str] = []
         start = self.pos
         while self.pos < len(self.text):
             ch = self.text[self.pos]
             if ch == "$" and self.text.startswith("${", self.pos):
                 self.interpolation()
                 continue
+            if ch == "\\" and self.pos + 1 < len(self.text) and self.text[self.pos + 1] in _ESCAPABLE:
+                out.append(self.text[start:self.pos] + self.text[self.pos + 1])
+                self.pos += 2
+                start = self.pos
+                continue
             if ch in stop:
                 break
             self.pos += 1
-        return self.text[start:self.pos]
+        return "".join(out) + self.text[start:self.pos]
 
     def interpolation(self) -> None:
         depth = 0

@@ -15,9 +15,10 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import inspect
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from polyrl.config import verl_table as table
 from polyrl.config.overrides import Override, apply_override, parse_override
-from polyrl.errors import ConfigError
+from polyrl.errors import ConfigError, PolyrlError
 
 log = logging.getLogger("polyrl")
 
@@ -37,10 +38,12 @@ TRAINER_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer")
 #: Top-level keys only polyrl's layout has; one of them in a verl-layout config mixes the two.
 NATIVE_ONLY = {"model": "actor_rollout_ref.model", "actor": "actor_rollout_ref.actor",
                "rollout": "actor_rollout_ref.rollout", "ref": "actor_rollout_ref.ref",
-               "reward": "reward_model / custom_reward_function", "agent": "actor_rollout_ref.rollout.multi_turn"}
-#: Top-level keys only verl's layout has.
+               "agent": "actor_rollout_ref.rollout.multi_turn"}
+#: Top-level keys only verl's layout has (``reward`` is both: verl's current tree has a ``reward`` block).
 VERL_ONLY = ("actor_rollout_ref", "custom_reward_function", "reward_model", "reward_manager", "global_profiler",
-             "transfer_queue", "ray_kwargs")
+             "transfer_queue", "ray_kwargs", "distillation", "sandbox_fusion", "model_engine")
+#: verl's ``model_engine`` choices polyrl has trees for: the trainer config each one composes.
+MODEL_ENGINES = {"dp": "ppo_trainer", "megatron": "ppo_megatron_trainer"}
 #: verl's config groups, as their defaults lists name them, and the part of a shipped tree each one is.
 GROUPS: dict[tuple[str, str], tuple[str, str]] = {
     ("actor", "dp_actor"): ("ppo_trainer", "actor_rollout_ref.actor"),
@@ -56,6 +59,9 @@ GROUPS: dict[tuple[str, str], tuple[str, str]] = {
     ("reward_model", "megatron_reward_loop"): ("ppo_megatron_trainer", "reward_model"),
     ("algorithm", "rollout_correction"): ("ppo_trainer", "algorithm.rollout_correction"),
     ("", "reward_manager"): ("ppo_trainer", "reward_manager"),
+    ("reward", "reward"): ("ppo_trainer", "reward"),
+    ("distillation", "distillation"): ("ppo_trainer", "distillation"),
+    ("transfer_queue", "transfer_queue"): ("ppo_trainer", "transfer_queue"),
 }
 
 
@@ -136,10 +142,10 @@ class _Tree:
         """A leaf replacing a subtree (or the other way round) takes the old keys' origins with it."""
         if not self.origins:
             return
-        leaves = set(keys)
         inner = {p for k in keys for p in _parents(k)}
-        for old in [k for k in self.origins if k in inner or any(p in leaves for p in _parents(k))]:
-            del self.origins[old]
+        under = tuple(f"{k}." for k in keys)
+        for old in [k for k in inner if k in self.origins] + [k for k in self.origins if k.startswith(under)]:
+            self.origins.pop(old, None)
 
 
 def _read_yaml(path: Path) -> dict:
@@ -269,12 +275,15 @@ def compose(files: Sequence[str | Path] = (), overrides: Sequence[str] = (), *, 
     origins of the leaves, keys of verl's own trees)``."""
     tree = _Tree()
     search = [Path(config_path)] if config_path else []
+    parsed = [parse_override(text) for text in overrides]
+    engine = _model_engine(parsed)
     if config_name:
         name = config_name[:-5] if config_name.endswith(".yaml") else config_name
         own = Path(config_path) / f"{name}.yaml" if config_path else None
         if own is not None and own.exists():
             _compose_file(own, search, tree)
         elif name in TRAINER_CONFIGS:
+            name = MODEL_ENGINES[engine] if engine else name
             tree.merge(shipped_tree(name), f"verl default ({name})", known=True)
             tree.trainer = name
         else:
@@ -283,17 +292,32 @@ def compose(files: Sequence[str | Path] = (), overrides: Sequence[str] = (), *, 
                               f"trainer configs polyrl ships ({', '.join(TRAINER_CONFIGS)})")
     composed = [_compose_one(Path(f), search) for f in files]
     if tree.trainer is None and not any(t.trainer for t in composed):
+        name = MODEL_ENGINES[engine] if engine else "ppo_trainer"
         base = _Tree()
-        base.merge(shipped_tree("ppo_trainer"), "verl default (ppo_trainer)", known=True)
-        base.trainer = "ppo_trainer"
+        base.merge(shipped_tree(name), f"verl default ({name})", known=True)
+        base.trainer = name
         base.merge(tree.data, tree.origins)
         base.known |= tree.known
         tree = base
     for sub in composed:
         _merge_placed(tree, sub, "")
-    for text in overrides:
-        _apply(tree, parse_override(text))
+    for override in parsed:
+        _apply(tree, override)
     return tree.data, tree.origins, tree.known
+
+
+def _model_engine(overrides: Sequence[Override]) -> str | None:
+    """verl's ``model_engine=...`` from the command line (it picks the actor, ref and critic trees), or None."""
+    chosen = None
+    for override in overrides:
+        if override.key == "model_engine" and override.op != "delete":
+            value = str(override.value)
+            if value not in MODEL_ENGINES:
+                raise ConfigError(f"verl's model_engine={value} (from command line '{override.text}') is not an "
+                                  f"engine polyrl has: dp (polyrl's fsdp) or megatron. docs/from_verl.md lists what "
+                                  "each verl key becomes")
+            chosen = value
+    return chosen
 
 
 def _compose_one(path: Path, search: Sequence[Path]) -> _Tree:
@@ -304,6 +328,11 @@ def _compose_one(path: Path, search: Sequence[Path]) -> _Tree:
 
 def _apply(tree: _Tree, override: Override) -> None:
     top = override.key.split(".")[0]
+    if top == "hydra":
+        if override.key.startswith("hydra.searchpath"):
+            raise ConfigError(f"command line '{override.text}': polyrl ships verl's config trees itself and cannot "
+                              "read a package's configs (pkg://...); give your configs' folder with --config-path")
+        return  # Hydra's own settings (output folders, logging): polyrl writes everything to trainer.run_dir
     if top in NATIVE_ONLY and top not in tree.data:
         check_layout({top: f"command line '{override.text}'"})
     node: Any = tree.data
@@ -326,6 +355,54 @@ def _apply(tree: _Tree, override: Override) -> None:
         for key in flatten({override.key: override.value} if not isinstance(override.value, Mapping)
                            else _place(override.value, override.key)):
             tree.origins[key] = f"command line '{override.text}'"
+
+
+_REF = re.compile(r"\$\{(?:oc\.select:)?\s*(\.*[A-Za-z_][\w.]*)")
+
+
+def _split_inert(tree: Mapping, origins: Mapping[str, str]) -> tuple[dict, dict[str, Any]]:
+    """``(tree to resolve, flat leaves that need no resolving)``: the blocks (profilers, distillation, verl's
+    reward-model rollout...) that hold only verl's defaults, no ``${...}`` but in keys polyrl ignores, and that
+    no interpolation elsewhere reads are kept out of OmegaConf, whose resolving of verl's whole tree costs most
+    of a load."""
+    flat = flatten(tree)
+    refs: set[str] = set()
+    for key, value in flat.items():
+        if isinstance(value, str) and "${" in value:
+            for name in _REF.findall(value):
+                dots = len(name) - len(name.lstrip("."))
+                if dots:
+                    base = key.split(".")[:-dots]  # `${.x}`: a sibling of the leaf; each further dot one level up
+                    name = ".".join([*base, name[dots:]])
+                refs.add(name)
+    user = {k for k, v in origins.items() if not v.startswith("verl default")}
+
+    def inert(path: str, node: Mapping) -> bool:
+        prefix = path + "."
+        if any(r == path or r.startswith(prefix) or path.startswith(r + ".") for r in refs):
+            return False
+        if any(u == path or u.startswith(prefix) for u in user):
+            return False
+        # an interpolation only an ignored key holds need not be resolved: nothing reads its value
+        return not any(isinstance(v, str) and "${" in v and not isinstance(table.classify(k), table.Ignored)
+                       for k, v in flat.items() if k.startswith(prefix))
+
+    out: dict[str, Any] = {}
+
+    def split(node: Mapping, path: str) -> dict:
+        live: dict = {}
+        for key, value in node.items():
+            sub = f"{path}.{key}" if path else str(key)
+            if isinstance(value, Mapping) and value:
+                if path and inert(sub, value):  # top-level blocks stay (a tree needs its roots)
+                    out.update(flatten(value, sub + "."))
+                else:
+                    live[key] = split(value, sub)
+            else:
+                live[key] = value
+        return live
+
+    return split(tree, ""), out
 
 
 def resolve(tree: Mapping, origins: Mapping[str, str]) -> dict[str, Any]:
@@ -360,7 +437,8 @@ def to_native(files: Sequence[str | Path] = (), overrides: Sequence[str] = (), *
     """
     tree, origins, known = compose(files, overrides, config_path=config_path, config_name=config_name)
     check_layout({k: _first_origin(origins, k) for k in tree})
-    values = resolve(tree, origins)
+    live, inert = _split_inert(tree, origins)
+    values = {**resolve(live, origins), **inert}
     origins = dict(origins)
     for key in values:  # an interpolation that resolved to a mapping (rollout.mtp -> model.mtp): its leaf's origin
         if key not in origins:
@@ -381,11 +459,13 @@ def _parents(key: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
 
 
-def _first_origin(origins: Mapping[str, str], key: str) -> str:
+def _first_origin(origins: Mapping[str, str], key: str, *, user: bool = False) -> str:
+    """Where ``key`` (or the first leaf under it) came from; ``user``: the first leaf the user set, not one of
+    verl's defaults beside it."""
     for k, v in origins.items():
-        if k == key or k.startswith(key + "."):
+        if (k == key or k.startswith(key + ".")) and not (user and v.startswith("verl default")):
             return v
-    return "the config"
+    return _first_origin(origins, key) if user else "the config"
 
 
 @functools.lru_cache(maxsize=1)
@@ -458,7 +538,7 @@ def _map(view: table.VerlView, raw: Mapping[str, Any]) -> tuple[dict[str, Any], 
         if entry.placeholder and not view.user_set(key):
             continue
         from_user = view.user_set(key)
-        where = _first_origin(view.origins, key)
+        where = _first_origin(view.origins, key, user=from_user)
         text = raw.get(key)
         if entry.convert is None and isinstance(text, str) and _ENV_ONLY.match(text):
             updates = {entry.native: text}  # resolved by the native loader, recorded as written
@@ -475,5 +555,69 @@ def _map(view: table.VerlView, raw: Mapping[str, Any]) -> tuple[dict[str, Any], 
                     continue
             native[target] = value
             user_set[target] = from_user
-            origins[target] = f"verl {key} ({where})"
+            # a block mapped key by key (policy_loss.*, filter_groups.*): each key's own origin where verl's tree
+            # has a leaf of that name under the block
+            leaf = f"{key}.{target.rpartition('.')[2]}"
+            if leaf in view.origins and key != leaf:
+                origins[target] = f"verl {leaf} ({view.origins[leaf]})"
+            else:
+                origins[target] = f"verl {key} ({where})"
     return native, origins
+
+
+# ---------------------------------------------------------------------------- errors in verl's words
+
+#: polyrl phrases whose verl spelling is not one key of the table (checked before the key-by-key rewrite).
+_PHRASES = {
+    "data.truncation=filter": "data.filter_overlong_prompts=True",
+    "data.truncation: filter": "data.filter_overlong_prompts=True",
+    "reward.function": "custom_reward_function.path",
+    "trainer.n_workers": "trainer.nnodes * trainer.n_gpus_per_node",
+    "trainer.run_dir": "trainer.default_local_dir",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _spoken() -> tuple[re.Pattern[str], dict[str, str]]:
+    """polyrl key -> how a verl-layout config writes it: the table's mapped verl key, or ``+key`` for polyrl's
+    own settings (which verl's layout takes only with ``+``)."""
+    names: dict[str, str] = dict(_PHRASES)
+    for entry in table.TABLE:
+        if not isinstance(entry, table.Mapped) or "*" in entry.verl:
+            continue
+        native = entry.native
+        if not re.fullmatch(r"[A-Za-z_][\w.]*", native) or native in names:
+            continue
+        names[native] = f"+{native}" if "polyrl only" in entry.note else entry.verl
+    names = {k: v for k, v in names.items() if k != v}
+    keys = sorted(names, key=len, reverse=True)
+    pattern = re.compile(r"(?<![\w.+])(" + "|".join(re.escape(k) for k in keys) + r")(?![\w]|\.\w)")
+    return pattern, names
+
+
+def speak_verl(message: str) -> str:
+    """``message`` (an error about polyrl's keys) with each polyrl key written as a verl-layout config writes it:
+    ``rollout.tensor_parallel_size=2`` -> ``actor_rollout_ref.rollout.tensor_model_parallel_size=2``,
+    ``trainer.n_workers`` -> ``trainer.nnodes * trainer.n_gpus_per_node``, ``trainer.executor=local`` ->
+    ``+trainer.executor=local``, ``data.truncation=filter`` -> ``data.filter_overlong_prompts=True``."""
+    pattern, names = _spoken()
+    return pattern.sub(lambda m: names[m.group(1)], message)
+
+
+def reword(exc: PolyrlError, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """Reword ``exc``, raised by a command ``fn(manifest, configs, overrides, *, config_format, config_name, ...)``
+    called with ``args`` / ``kwargs``, with :func:`speak_verl` when the config was written in verl's layout (the
+    user reads the keys they wrote, or can write)."""
+    bound = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
+    if exc.args and isinstance(exc.args[0], str) and _is_verl(bound):
+        exc.args = (speak_verl(exc.args[0]), *exc.args[1:])
+
+
+def _is_verl(arguments: Mapping[str, Any]) -> bool:
+    from polyrl.config.loader import detect_format
+
+    try:
+        return detect_format(arguments.get("configs", ()), arguments.get("overrides", ()),
+                             arguments.get("config_format", "auto"), config_name=arguments.get("config_name")) == "verl"
+    except PolyrlError:
+        return False

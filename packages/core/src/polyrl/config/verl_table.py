@@ -161,11 +161,12 @@ def _dtype(value: Any, key: str) -> str:
 
 def _engine(strategy: Any, key: str) -> str:
     name = str(strategy).lower()
-    if name in ("fsdp", "fsdp2"):
+    if name in ("fsdp", "fsdp2", "fsdp_turbo"):  # fsdp_turbo: verl's FSDP2 with its own sharding plan
         return "fsdp"
     if name == "megatron":
         return "megatron"
-    raise ConfigError(f"verl key '{key}'={strategy!r}: polyrl's engines are fsdp (verl's fsdp / fsdp2) and megatron")
+    raise ConfigError(f"verl key '{key}'={strategy!r}: polyrl's engines are fsdp (verl's fsdp, fsdp2, fsdp_turbo) "
+                      "and megatron")
 
 
 def _to(native: str, fn: Callable[[Any], Any]) -> Converter:
@@ -377,7 +378,33 @@ def _reward_manager(value: Any, view: VerlView) -> dict[str, Any]:
     return {"reward.manager": str(value)}
 
 
-def _reward_kwargs(value: Any, view: VerlView) -> dict[str, Any]:
+#: polyrl's own fields of ``actor.policy_loss`` (others a verl config adds go to its ``extra``).
+_POLICY_LOSS_FIELDS = ("loss_mode", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef",
+                       "tis_imp_ratio_cap", "dro_beta", "rollout_correction", "extra")
+
+
+def _policy_loss(value: Any, view: VerlView) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, x in (value or {}).items():
+        if key == "_target_":
+            continue
+        out[f"actor.policy_loss.{key}" if key in _POLICY_LOSS_FIELDS else f"actor.policy_loss.extra.{key}"] = x
+    return out
+
+
+def _filter_groups(value: Any, view: VerlView) -> dict[str, Any]:
+    cfg = dict(value or {})
+    out: dict[str, Any] = {}
+    if "enable" in cfg:
+        out["algorithm.filter_groups.enable"] = bool(cfg["enable"])
+    if cfg.get("metric") is not None:
+        out["algorithm.filter_groups.metric"] = cfg["metric"]
+    if cfg.get("max_num_gen_batches") is not None and view.user_set("algorithm.filter_groups.max_num_gen_batches"):
+        out["algorithm.filter_groups.max_num_gen_batches"] = int(cfg["max_num_gen_batches"])
+    return out
+
+
+def _reward_kwargs(value: Any, view: VerlView, block: str = "reward_model") -> dict[str, Any]:
     kwargs = dict(value or {})
     out: dict[str, Any] = {}
     overlong = dict(kwargs.pop("overlong_buffer_cfg", None) or {})
@@ -391,8 +418,8 @@ def _reward_kwargs(value: Any, view: VerlView) -> dict[str, Any]:
         out["reward.max_response_length"] = int(kwargs.pop("max_resp_len"))
     rest = [f"overlong_buffer_cfg.{k}" for k in overlong] + sorted(kwargs)
     if rest:
-        raise ConfigError(f"verl key 'reward_model.reward_kwargs.{rest[0]}': polyrl's reward managers take no such "
-                          "argument; give the function its options itself (reward.function)")
+        raise ConfigError(f"verl key '{block}.reward_kwargs.{rest[0]}': polyrl's reward managers take no such "
+                          "argument; give your custom_reward_function its options itself")
     return out
 
 
@@ -577,9 +604,10 @@ def _model_entries(prefix: str, section: str, *, critic: bool = False) -> list[E
         Mapped(f"{prefix}.lora_alpha", f"{section}.lora.alpha"),
         Mapped(f"{prefix}.target_modules", f"{section}.lora.target_modules", _lora_targets(f"{section}.lora.target_modules")),
         Ignored(f"{prefix}.lora.*", "megatron LoRA details polyrl's LoRA (peft) does not have"),
-        Mapped(f"{prefix}.lora.rank", f"{section}.lora.rank"),
-        Mapped(f"{prefix}.lora.alpha", f"{section}.lora.alpha"),
-        Mapped(f"{prefix}.lora.dropout", f"{section}.lora.dropout"),
+        # verl's newer lora block beside lora_rank / lora_alpha (its defaults differ: the one you set wins)
+        Mapped(f"{prefix}.lora.rank", f"{section}.lora.rank", placeholder=True),
+        Mapped(f"{prefix}.lora.alpha", f"{section}.lora.alpha", placeholder=True),
+        Mapped(f"{prefix}.lora.dropout", f"{section}.lora.dropout", placeholder=True),
         Refused(f"{prefix}.lora.type", "polyrl's LoRA is peft's plain LoRA", allowed=("lora",)),
         Refused(f"{prefix}.lora.adapter_path", "polyrl starts LoRA from fresh adapters", allowed=(None,)),
         Ignored(f"{prefix}.use_shm", _PERF),
@@ -629,9 +657,9 @@ def _build_table() -> list[Entry]:
         Mapped(f"{ACTOR}.tau_neg", "actor.policy_loss.extra.tau_neg", note="SAPO"),
         Mapped(f"{ACTOR}.freeze_vision_tower", "model.freeze_vision_tower", note="vision-language models"),
         Ignored(f"{ACTOR}.policy_loss._target_", "verl's dataclass name"),
-        Mapped(f"{ACTOR}.policy_loss.*", "actor.policy_loss.*",
-               lambda v, view: {f"actor.policy_loss.{k}": x for k, x in (v or {}).items() if k != "_target_"},
-               note="same names (loss_mode, clip_cov_*, kl_cov_ratio, ppo_kl_coef...)", open=True),
+        Mapped(f"{ACTOR}.policy_loss.*", "actor.policy_loss.*", _policy_loss,
+               note="same names (loss_mode, clip_cov_*, kl_cov_ratio, ppo_kl_coef...); other names (SAPO's tau_pos, "
+               "tau_neg...) go to actor.policy_loss.extra", open=True),
         Mapped(f"{ACTOR}.loss_scale_factor", "actor.loss_scale_factor"),
         Mapped(f"{ACTOR}.entropy_coeff", "actor.entropy_coeff", _to("actor.entropy_coeff", float)),
         Ignored(f"{ACTOR}.calculate_entropy", "polyrl logs the entropy of every old-log-prob pass"),
@@ -687,9 +715,12 @@ def _build_table() -> list[Entry]:
         Ignored(f"{ROLLOUT}.cudagraph_capture_sizes", _PERF),
         Mapped(f"{ROLLOUT}.free_cache_engine", "rollout.free_cache_engine"),
         Mapped(f"{ROLLOUT}.tensor_model_parallel_size", "rollout.tensor_parallel_size"),
-        Refused(f"{ROLLOUT}.data_parallel_size", "polyrl runs one rollout replica per rollout.tensor_parallel_size "
-                "devices; data parallelism comes from the number of replicas", allowed=(1,)),
-        Refused(f"{ROLLOUT}.expert_parallel_size", "polyrl's rollouts shard by tensor parallelism only", allowed=(1,)),
+        Ignored(f"{ROLLOUT}.data_parallel_size", f"polyrl runs one rollout replica per {ROLLOUT}."
+                "tensor_model_parallel_size devices: verl's data parallelism inside a server becomes more replicas "
+                "(the same samples; expert parallelism, which would shard the experts over them, is refused)"),
+        Ignored(f"{ROLLOUT}.expert_parallel_size", f"polyrl's rollouts shard an MoE model's experts by {ROLLOUT}."
+                "tensor_model_parallel_size only (the same samples; a model that needed verl's wider expert sharding "
+                "may not fit its replicas' memory: raise tensor_model_parallel_size)"),
         Refused(f"{ROLLOUT}.pipeline_model_parallel_size", "polyrl's rollouts shard by tensor parallelism only",
                 allowed=(1,)),
         Mapped(f"{ROLLOUT}.max_num_batched_tokens", "rollout.vllm.max_num_batched_tokens",
@@ -793,6 +824,31 @@ def _build_table() -> list[Entry]:
         Ignored("critic.forward_micro_batch_size_per_gpu", "the value pass batches like the critic's update"),
         Ignored("critic.forward_max_token_len_per_gpu", "the value pass batches like the critic's update"),
     ]
+    # verl's current critic keeps its FSDP block at critic.fsdp (the older critic.model.fsdp_config still works)
+    t += [
+        Ignored("critic.fsdp.*", _PERF),
+        Ignored("critic.fsdp._target_", "verl's dataclass name"),
+        *[Mapped(f"critic.fsdp.{key}", f"critic.fsdp.{key}", _plugin("critic", "critic", "fsdp", key))
+          for key in ("param_offload", "optimizer_offload", "reshard_after_forward", "fsdp_size")],
+        Mapped("critic.fsdp.dtype", "critic.fsdp.param_dtype",
+               _plugin("critic", "critic", "fsdp", "param_dtype", lambda v: _dtype(v, "critic.fsdp.dtype"))),
+        Mapped("critic.fsdp.seed", "critic.seed",
+               lambda v, view: {"critic.seed": int(v)} if view.engine("critic") == "fsdp" else {}),
+        Mapped("critic.fsdp.model_dtype", "critic.model.dtype",
+               lambda v, view: {"critic.model.dtype": _dtype(v, "critic.fsdp.model_dtype")}
+               if view.engine("critic") == "fsdp" else {}, note="storage dtype of the critic's weights"),
+        Refused("critic.fsdp.qat.enable", "polyrl trains without quantization-aware training", allowed=(False,)),
+        Ignored("critic.loss_scale_factor", f"follows {ACTOR}.loss_scale_factor"),
+        Refused("critic.model.hf_config_path", "put the config in the model folder", allowed=(None,)),
+        Refused("critic.model.custom_chat_template", "set the template in the tokenizer folder", allowed=(None,)),
+        Refused("critic.model.exclude_modules", "LoRA: list the modules to adapt in target_modules", allowed=(None,)),
+        Refused("critic.model.lora_adapter_path", "polyrl starts LoRA from fresh adapters", allowed=(None,)),
+        Ignored("critic.model.use_liger", _PERF),
+        Ignored("critic.model.use_fused_kernels", _PERF),
+        Ignored("critic.model.fused_kernel_options.*", _PERF),
+        Ignored("critic.model.mtp.*", "multi-token prediction; no effect unless mtp.enable, refused then"),
+        Refused("critic.model.mtp.enable", "polyrl does not train multi-token prediction heads", allowed=(False,)),
+    ]
     # data
     t += [
         Refused("data.tokenizer", f"set {MODEL}.tokenizer_path", allowed=(None,)),
@@ -842,11 +898,12 @@ def _build_table() -> list[Entry]:
         Ignored("reward_manager._target_", "verl's dataclass name"),
         Refused("reward_manager.source", "register reward managers through a plugin (register_reward_managers)",
                 allowed=("register",)),
-        Mapped("reward_manager.name", "reward.manager", _reward_manager,
+        Mapped("reward_manager.name", "reward.manager", _reward_manager, placeholder=True,
                note="naive, batch, dapo (verl's default follows reward_model.reward_manager)"),
         Ignored("reward_manager.module.*", "used only with reward_manager.source=importlib, which is refused"),
-        Mapped("reward_model.reward_manager", "reward.manager", _skip,
-               note="through reward_manager.name (naive, batch, dapo, or one a plugin registers)"),
+        Mapped("reward_model.reward_manager", "reward.manager", _unless_none("reward.manager", str),
+               note="naive, batch, dapo, or one a plugin registers (verl's older spelling of "
+               "reward.reward_manager.name; the one you set wins)"),
         Mapped("reward_model.enable", "reward_model.enable", note="a discriminative reward model (docs/reward_models.md)"),
         Ignored("reward_model.*", _RM),
         Mapped("reward_model.strategy", "reward_model.engine",
@@ -908,9 +965,11 @@ def _build_table() -> list[Entry]:
         Mapped("algorithm.rollout_correction.*", "algorithm.rollout_correction.*",
                lambda v, view: {f"algorithm.rollout_correction.{k}": x for k, x in (v or {}).items()
                                 if k != "_target_"}, open=True),
-        Mapped("algorithm.filter_groups.*", "algorithm.filter_groups.*",
-               lambda v, view: {f"algorithm.filter_groups.{k}": x for k, x in (v or {}).items()},
-               note="DAPO's dynamic sampling (verl's recipe adds it with +)", open=True),
+        Mapped("algorithm.filter_groups.*", "algorithm.filter_groups.*", _filter_groups,
+               note="DAPO's dynamic sampling: enable, metric, max_num_gen_batches (verl's 0, unlimited, is kept out "
+               "unless you set it)", open=True),
+        Ignored("algorithm.filter_groups._target_", "verl's dataclass name"),
+        Ignored("algorithm.filter_groups.max_inflight_gen_batches", "polyrl generates one batch of prompts at a time"),
     ]
     # trainer
     t += [
@@ -953,6 +1012,94 @@ def _build_table() -> list[Entry]:
         Refused("transfer_queue.enable", "polyrl moves batches through its worker groups", allowed=(False,)),
         Mapped("ray_kwargs.ray_init.num_cpus", "trainer.ray_num_cpus", _to("trainer.ray_num_cpus", _none_to(0))),
         Ignored("ray_kwargs.timeline_json_file", _PROFILE),
+    ]
+    # verl's current trees (2026-08): model_engine, the reward block, distillation, the v1 trainer, skip, QAT
+    t += [
+        Refused("model_engine", "polyrl's engines are fsdp (verl's dp) and megatron; the actor's strategy follows the "
+                "tree model_engine chooses", allowed=("dp", "megatron")),
+        Ignored("ray_kwargs.ray_init.runtime_env.*", "polyrl's Ray workers inherit the environment of `polyrl train`: "
+                "export the variables before the run", open=True),
+        Ignored("ray_kwargs.ray_init.runtime_env.py_executable", "polyrl's workers run the interpreter of `polyrl "
+                "train` (its virtual environment)"),
+        Ignored("ray_kwargs.ray_init.*", "Ray start-up options polyrl does not pass (trainer.ray_num_cpus, "
+                "trainer.ray_address)", open=True),
+        Ignored("reward._target_", "verl's dataclass name"),
+        Mapped("reward.reward_kwargs.*", "reward.overlong_buffer_enable / reward.overlong_buffer_len / "
+               "reward.overlong_penalty_factor / reward.max_response_length",
+               lambda v, view: _reward_kwargs(v, view, "reward"),
+               note="as reward_model.reward_kwargs (DAPO's overlong_buffer_cfg, max_resp_len)", open=True),
+        Mapped("reward.num_workers", "reward.num_workers", placeholder=True, note="threads that run reward calls"),
+        Mapped("reward.custom_reward_function.path", "reward.custom_reward_function.path",
+               _unless_none("reward.custom_reward_function.path"),
+               note="verl's current spelling of custom_reward_function.path"),
+        Mapped("reward.custom_reward_function.name", "reward.custom_reward_function.name",
+               lambda v, view: {"reward.custom_reward_function.name": v}
+               if view.get("reward.custom_reward_function.path") else {}),
+        Ignored("reward.reward_manager._target_", "verl's dataclass name"),
+        Refused("reward.reward_manager.source", "register reward managers through a plugin (register_reward_managers)",
+                allowed=("register",)),
+        Mapped("reward.reward_manager.name", "reward.manager", _reward_manager, placeholder=True,
+               note="naive, batch, dapo, or one a plugin registers"),
+        Ignored("reward.reward_manager.module.*", "used only with reward_manager.source=importlib, which is refused"),
+        Mapped("reward.reward_model.enable", "reward_model.enable",
+               note="a discriminative reward model (docs/reward_models.md)"),
+        Mapped("reward.reward_model.model_path", "reward_model.model.path", _unless_none("reward_model.model.path")),
+        Ignored("reward.reward_model.*", _RM),
+        Refused("reward.reward_model.enable_resource_pool", "give the reward model a pool of its own with "
+                "trainer.placement and trainer.pools (docs/placement.md)", allowed=(False,)),
+        Ignored("reward.reward_model.rollout.*", "verl serves its reward model with a rollout engine; polyrl's "
+                "reward_model role scores with the model itself (docs/reward_models.md)", open=True),
+        Ignored("reward.sandbox_fusion._target_", "verl's dataclass name"),
+        *[Mapped(f"{block}.{key}", f"reward.sandbox_fusion.{key}", _unless_none(f"reward.sandbox_fusion.{key}", fn),
+                 note="as reward_model.sandbox_fusion" if key == "url" else "")
+          for block in ("reward.sandbox_fusion", "sandbox_fusion")
+          for key, fn in (("url", lambda v: v), ("memory_limit_mb", int), ("max_concurrent", int))],
+        Ignored("distillation.*", "on-policy distillation; no effect unless distillation.enabled, refused then",
+                open=True),
+        Refused("distillation.enabled", "polyrl has no on-policy distillation trainer (a teacher's log-probs as the "
+                "loss); train with a reward, or write the loss as a policy-loss plugin", allowed=(False,)),
+        Ignored("skip.*", "verl's rollout dump and replay for debugging; no effect unless enabled, refused then"),
+        *[Refused(f"skip.{part}.enable", "polyrl generates every step; `polyrl view` shows what a run generated",
+                  allowed=(False,)) for part in ("rollout", "async_rollout", "rollout_tq")],
+        Ignored("trainer.use_v1", "verl's choice of trainer implementation; polyrl has one"),
+        Ignored("trainer.v1.*", "options of verl's v1 trainer modes; no effect unless trainer_mode is changed, "
+                "refused then", open=True),
+        Refused("trainer.v1.trainer_mode", "polyrl's asynchronous training is +trainer.async_mode (docs/async.md)",
+                allowed=("sync",)),
+        Refused("trainer.v1.sampler.custom_sampler.path", "polyrl samples prompts uniformly (data.shuffle)",
+                allowed=(None,)),
+        Ignored("transfer_queue.*", "polyrl moves batches through its worker groups; no effect unless enable, refused "
+                "then"),
+        Ignored(f"{ACTOR}.qat.*", "quantization-aware training; no effect unless enable, refused then"),
+        Refused(f"{ACTOR}.qat.enable", "polyrl trains without quantization-aware training", allowed=(False,)),
+        Ignored(f"{ACTOR}.fsdp_config.qat.*", "quantization-aware training; no effect unless enable, refused then"),
+        Refused(f"{ACTOR}.fsdp_config.qat.enable", "polyrl trains without quantization-aware training",
+                allowed=(False,)),
+        *[Ignored(f"{prefix}.fsdp_config.turbo_config.*", _PERF, open=True) for prefix in (ACTOR, REF)],
+        *[Ignored(f"{prefix}.{key}", _PERF) for prefix in (ACTOR, REF)
+          for key in ("entropy_from_logits_chunk_size", "pad_to_length")],
+        Ignored(f"{ROLLOUT}.disaggregation.*", "prefill/decode disaggregation; no effect unless enabled, refused then"),
+        Refused(f"{ROLLOUT}.disaggregation.enabled", "polyrl's rollouts prefill and decode on the same engine",
+                allowed=(False,)),
+        Ignored(f"{ROLLOUT}.full_determinism", _PERF),
+        Ignored(f"{ROLLOUT}.moe_tensor_parallel_size", "an SGLang MoE sharding option (verl users add with `+`); "
+                f"polyrl's rollouts shard by {ROLLOUT}.tensor_model_parallel_size (results are the same)"),
+        Ignored(f"{ROLLOUT}.moe_load_balance_metrics_interval", "MoE routing metrics of verl's rollout"),
+        Ignored(f"{ROLLOUT}.seed", "the rollout's sampling seed follows trainer.seed"),
+        Ignored(f"{ROLLOUT}.qat", f"a copy of {ACTOR}.qat"),
+        Ignored(f"{ROLLOUT}.qat.*", f"a copy of {ACTOR}.qat"),
+        Ignored(f"{ROLLOUT}.n_gpus_per_node", "a copy of trainer.n_gpus_per_node"),
+        Refused(f"{ROLLOUT}.nnodes", "give the rollout its own pool with trainer.placement and trainer.pools "
+                "(docs/placement.md)", allowed=(0,)),
+        Refused(f"{ROLLOUT}.multi_turn.function_tool_path", "declare tools in the tool config "
+                f"({ROLLOUT}.multi_turn.tool_config_path)", allowed=(None,)),
+        Ignored("data.function_tool_path", f"a copy of {ROLLOUT}.multi_turn.function_tool_path"),
+        Ignored("data.audio_key", "multimodal rows are not supported by the verl front end yet"),
+        Ignored("data.mm_processor_kwargs", "multimodal rows are not supported by the verl front end yet"),
+        Ignored("data.mm_processor_kwargs.*", "multimodal rows are not supported by the verl front end yet",
+                open=True),
+        Ignored("data.gen_batch_size", "DAPO's generation batch: polyrl's dynamic sampling generates "
+                "data.train_batch_size prompts a round (algorithm.filter_groups.max_num_gen_batches rounds at most)"),
     ]
     # polyrl's own settings a verl-layout config may add (with +, as verl's tree does not have them)
     t += [Mapped(f"trainer.{key}", f"trainer.{key}", note="polyrl only: add it with +") for key in (

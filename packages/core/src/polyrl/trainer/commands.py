@@ -10,12 +10,13 @@ train(manifest="polyrl.toml", configs=["my_run.yaml"], overrides=["trainer.total
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from polyrl.errors import CheckpointError, ConfigError
+from polyrl.errors import CheckpointError, ConfigError, PolyrlError
 from polyrl.manifest import Manifest
 
 log = logging.getLogger("polyrl")
@@ -42,6 +43,24 @@ def _check_names(config: Any, pm: Any, sections: Sequence[str]) -> None:
             raise ConfigError(f"config key '{key}': {exc}") from None
 
 
+def _speaks_config_layout(fn: Any) -> Any:
+    """In verl's layout, an error names verl's keys (:func:`polyrl.config.verl.reword`, imported when an error
+    needs it, so that commands which never read a config stay light)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except PolyrlError as exc:
+            from polyrl.config.verl import reword
+
+            reword(exc, fn, args, kwargs)
+            raise
+
+    return wrapper
+
+
+@_speaks_config_layout
 def train(manifest: str | Path | Manifest | None = None, configs: Sequence[str | Path] = (),
           overrides: Sequence[str] = (), *, base: dict | None = None, config_format: str = "auto",
           config_path: str | Path | None = None, config_name: str | None = None,
