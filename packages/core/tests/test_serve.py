@@ -6,9 +6,12 @@ The in-process tests run :class:`polyrl.serving.hf_server.OpenAIServer` on a thr
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -129,6 +132,139 @@ def test_bad_requests_get_openai_errors(client):
         client.completions.create(model="tiny", prompt="1" * 5000, max_tokens=2)
 
 
+# ---------------------------------------------------------------------- bounds (issue 47)
+
+
+def _raw(server, head: str, body: bytes = b"", timeout: float = 15.0) -> socket.socket:
+    """A connection to the server that has sent ``head`` (the request line and headers) and ``body``."""
+    sock = socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=timeout)
+    sock.sendall(head.replace("\n", "\r\n").encode() + b"\r\n" + body)
+    return sock
+
+
+def _answer(sock: socket.socket) -> tuple[int, str, dict]:
+    """Status, headers and JSON body of the response on ``sock`` (read up to the connection's close or the body's
+    end)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before an answer: {data!r}"
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        rest += chunk
+    return int(head.split()[1]), head.decode(), json.loads(rest[:length])
+
+
+@pytest.mark.timeout(120)
+def test_a_large_and_a_slow_request_do_not_hold_up_another_client(server, client, monkeypatch):
+    from polyrl.serving import hf_server
+
+    monkeypatch.setattr(hf_server, "BODY_DEADLINE_S", 4.0)
+    # 100 MB announced, 64 KiB sent: the 413 comes from Content-Length, before the body is read
+    large = _raw(server, "POST /v1/completions HTTP/1.1\nHost: x\nContent-Type: application/json\n"
+                 f"Content-Length: {100 << 20}\n", b"x" * (64 << 10))
+    # a chunked body that grows past the bound (8 MiB) is refused as soon as it does
+    chunked = _raw(server, "POST /v1/completions HTTP/1.1\nHost: x\nTransfer-Encoding: chunked\n")
+    # a body that trickles in: 10 of 100 bytes, then nothing
+    slow = _raw(server, "POST /v1/completions HTTP/1.1\nHost: x\nContent-Length: 100\n", b'{"model": ')
+    started = time.monotonic()
+    status, head, doc = _answer(large)
+    assert status == 413 and "at most 8388608" in doc["error"]["message"] and "Connection: close" in head
+    assert time.monotonic() - started < 5
+    refused = None
+    for _ in range(16):  # 1 MiB a chunk: refused before the 9th
+        try:
+            chunked.sendall(b"100000\r\n" + b"y" * (1 << 20) + b"\r\n")
+        except OSError:
+            break
+    refused = _answer(chunked)
+    assert refused[0] == 413 and "more than 8388608" in refused[2]["error"]["message"]
+    # meanwhile another client is answered at once, while the slow one is still sending
+    t0 = time.monotonic()
+    r = client.completions.create(model="tiny", prompt="1+1=", max_tokens=2, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length") and time.monotonic() - t0 < 3.5
+    status, head, doc = _answer(slow)  # then the slow one gets its 408 at the deadline
+    assert status == 408 and "did not arrive within 4 s" in doc["error"]["message"]
+    assert time.monotonic() - started < 15
+    for sock in (large, chunked, slow):
+        sock.close()
+
+
+def test_a_prompt_far_over_the_model_length_is_refused_before_tokenizing(client, server, monkeypatch):
+    gen = server.generator
+    calls = []
+    tokenize = type(gen.tokenizer).__call__
+    monkeypatch.setattr(type(gen.tokenizer), "__call__", lambda self, *a, **k: calls.append(1) or tokenize(self, *a, **k))
+    huge = "7" * (gen.max_prompt_chars + 1)
+    t0 = time.monotonic()
+    with pytest.raises(openai.BadRequestError, match="characters") as info:
+        client.completions.create(model="tiny", prompt=huge, max_tokens=2)
+    assert info.value.body["param"] == "prompt" and not calls and time.monotonic() - t0 < 5
+    with pytest.raises(openai.BadRequestError, match="characters"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": huge}], max_tokens=2)
+    # between the probe and the character bound only the first characters are tokenized
+    from polyrl.serving.hf_server import PROBE_CHARS_PER_TOKEN
+
+    probe = PROBE_CHARS_PER_TOKEN * gen.max_model_len
+    assert probe < gen.max_prompt_chars
+    seen = []
+    monkeypatch.setattr(type(gen.tokenizer), "__call__", lambda self, text, *a, **k: seen.append(len(text))
+                        or tokenize(self, text, *a, **k))
+    with pytest.raises(openai.BadRequestError, match="alone are"):
+        client.completions.create(model="tiny", prompt="7" * (probe + 100), max_tokens=2)
+    assert seen == [probe]
+    # the bound never refuses a prompt that fits: each token is at most that many characters
+    assert gen.max_prompt_chars >= gen.max_model_len * max(len(gen.tokenizer.decode([i])) for i in range(50))
+
+
+def test_each_bad_request_gets_its_own_clear_error(client, server):
+    with pytest.raises(openai.BadRequestError, match="'n' must be an integer from 1 to 16"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, n=0)
+    messages = [{"role": "user", "content": None}]
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content must be a string .* got null"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    for route, method, allow in (("/v1/completions", "GET", "POST"), ("/v1/chat/completions", "GET", "POST"),
+                                 ("/v1/models", "POST", "GET"), ("/v1/completions", "DELETE", "POST")):
+        status, head, doc = _answer(_raw(server, f"{method} {route} HTTP/1.1\nHost: x\nContent-Length: 0\n"))
+        assert status == 405 and f"Allow: {allow}" in head and f"takes {allow}" in doc["error"]["message"], head
+    status, head, doc = _answer(_raw(server, "GET /v1/nothing HTTP/1.1\nHost: x\n"))
+    assert status == 404
+    body = json.dumps({"prompt": "1+1=", "max_tokens": 2}).encode()
+    sock = _raw(server, f"POST /v1/completions HTTP/1.1\nHost: x\nContent-Length: {len(body)}\n", body)
+    status, head, doc = _answer(sock)
+    assert status == 400 and doc["error"]["param"] == "model" and "must provide a model" in doc["error"]["message"]
+    # curl's `Expect: 100-continue` with a body over the bound: refused before it is sent
+    sock = _raw(server, f"POST /v1/completions HTTP/1.1\nHost: x\nExpect: 100-continue\nContent-Length: {1 << 30}\n")
+    assert _answer(sock)[0] == 413
+
+
+@pytest.mark.timeout(120)
+def test_a_client_that_leaves_mid_answer_is_one_debug_line(server, caplog, capfd):
+    body = json.dumps({"model": "tiny", "prompt": "1+", "max_tokens": 120, "temperature": 1.0, "stream": True,
+                       "stop": ["never there"]}).encode()
+    with caplog.at_level("DEBUG", logger="polyrl.serve"):
+        sock = _raw(server, f"POST /v1/completions HTTP/1.1\nHost: x\nContent-Length: {len(body)}\n", body)
+        seen = b""
+        while b"data: " not in seen:  # the headers, then the first event
+            chunk = sock.recv(4096)
+            assert chunk, seen
+            seen += chunk
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, as a killed client
+        sock.close()
+        deadline = time.monotonic() + 60
+        while not [r for r in caplog.records if "went away" in r.getMessage()] and time.monotonic() < deadline:
+            time.sleep(0.1)
+    gone = [r for r in caplog.records if "went away" in r.getMessage()]
+    assert len(gone) == 1 and gone[0].levelname == "DEBUG", [r.getMessage() for r in caplog.records]
+    assert "Traceback" not in capfd.readouterr().err
+    assert not [r for r in caplog.records if r.levelno >= 30], [r.getMessage() for r in caplog.records]
+
+
 # ---------------------------------------------------------------------- the command
 
 
@@ -193,4 +329,8 @@ def test_serve_process_answers_then_stops_cleanly(tiny_model_dir, sig):
             proc.communicate()
     assert proc.returncode == 0, err
     assert "Traceback" not in err
+    # no loading bar, no library warning (transformers' past_key_values rename...): polyrl's own lines only
+    from polyrl.testing.console import console_noise
+
+    assert [line for line in console_noise(err) if "hf backend" not in line] == [], err
     assert "slower" in err and err.strip().endswith("polyrl serve: stopped"), err

@@ -165,7 +165,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     return serve(args.path, host=args.host, port=args.port, backend=args.backend, name=args.name,
                  manifest=args.manifest, trust_remote_code=args.trust_remote_code, max_model_len=args.max_model_len,
-                 vllm_args=shlex.split(args.vllm_args or ""))
+                 vllm_args=shlex.split(args.vllm_args or ""), max_request_bytes=args.max_request_bytes)
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -179,6 +179,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--manifest", "-m", help="manifest for exporting a checkpoint (default: the run's)")
     p.add_argument("--max-model-len", type=int, help="longest prompt plus completion, in tokens")
     p.add_argument("--trust-remote-code", action="store_true", help="run the model folder's own Python code")
+    p.add_argument("--max-request-bytes", type=int, help="largest request body (hf backend; default 8 MiB): a larger "
+                   "one is answered 413 unread")
     p.add_argument("--vllm-args", help="more arguments for vLLM's server, one string: --vllm-args '--dtype float16'")
 
 

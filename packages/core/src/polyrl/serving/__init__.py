@@ -141,17 +141,27 @@ def choose_backend(backend: str) -> str:
 
 def serve(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, backend: str = "auto",
           name: str | None = None, manifest: str | Path | None = None, trust_remote_code: bool = False,
-          max_model_len: int | None = None, vllm_args: Sequence[str] = (), ready: Any = None) -> int:
+          max_model_len: int | None = None, vllm_args: Sequence[str] = (), ready: Any = None,
+          max_request_bytes: int | None = None) -> int:
     """Serve ``path`` until SIGINT/SIGTERM; returns the exit code (0 after a clean stop).
 
     ``ready`` (tests, embedding) is called with the base URL once the server accepts requests.
+    ``max_request_bytes`` bounds a request's body (the hf backend; default
+    :data:`polyrl.serving.hf_server.MAX_REQUEST_BYTES`).
     """
+    from polyrl.logs import quiet_third_party
+
     chosen = choose_backend(backend)
     check_port(host, port)  # before a possibly long export or model load
+    quiet_third_party()  # no loading bars; libraries' warnings go to the debug log (errors still raise)
     model = resolve_model(path, manifest=manifest, name=name)
     try:
         if chosen == "vllm":
             from polyrl.serving.vllm_server import run_vllm_server
+
+            if max_request_bytes:
+                raise ConfigError("polyrl serve --max-request-bytes: only the hf backend takes it (vLLM's server "
+                                  "checks a prompt's length in tokens)")
 
             return run_vllm_server(model.path, model.name, host=host, port=port, trust_remote_code=trust_remote_code,
                                    max_model_len=max_model_len, extra_args=vllm_args, ready=ready)
@@ -161,8 +171,11 @@ def serve(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, backen
             raise ConfigError("polyrl serve --vllm-args: only the vllm backend takes them")
         log.warning("serving with the hf backend (transformers in this process, one request at a time): much slower "
                     "than vLLM; for real use install vLLM (%s)", VLLM_INSTALL)
+        from polyrl.serving.hf_server import MAX_REQUEST_BYTES
+
         return run_hf_server(model.path, model.name, host=host, port=port, trust_remote_code=trust_remote_code,
-                             max_model_len=max_model_len, ready=ready)
+                             max_model_len=max_model_len, max_request_bytes=max_request_bytes or MAX_REQUEST_BYTES,
+                             ready=ready)
     finally:
         model.cleanup()
 

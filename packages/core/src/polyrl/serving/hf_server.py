@@ -6,6 +6,12 @@ in ``data: [DONE]``. Sampling: ``max_tokens``, ``temperature`` (0: greedy), ``to
 ``seed``. Requests are served one at a time from a thread per connection (the standard library's
 ``ThreadingHTTPServer``; no extra dependency), which is plenty for looking at what a run learned and
 far from what vLLM does with many requests in flight.
+
+Every request is bounded before it costs anything (docs/serving.md, "Limits"): a body over
+``max_request_bytes`` is refused with 413 from its ``Content-Length`` (or as soon as a chunked body passes
+it) without being read; a body must arrive within :data:`BODY_DEADLINE_S`; a prompt longer in characters
+than the model's length can hold in tokens is refused with 400 before it is tokenized; a connection idle
+for :data:`IDLE_TIMEOUT_S` is closed. A client that leaves mid-answer is one debug line.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -26,6 +33,22 @@ log = logging.getLogger("polyrl.serve")
 
 #: ``max_tokens`` of a completion request that gives none (OpenAI's default).
 DEFAULT_COMPLETION_TOKENS = 16
+#: Largest request body accepted (``polyrl serve --max-request-bytes``); a larger one is answered 413 unread.
+MAX_REQUEST_BYTES = 8 << 20
+#: Seconds a request's body has, from its headers, to arrive whole (a client trickling it is answered 408).
+BODY_DEADLINE_S = 30.0
+#: Seconds a connection may sit idle (no request, or a stalled read or write) before it is closed.
+IDLE_TIMEOUT_S = 60.0
+#: Connections served at once; one more is answered 503 at once (each has a thread, and may be a slow client).
+MAX_CONNECTIONS = 32
+#: Most sequences one request may ask for (prompts times ``n``): they are generated one after another.
+MAX_CHOICES = 64
+#: A prompt over this many characters a token of the model's length is tokenized in part first (see
+#: ``HFGenerator._check_text``): typical text is 3-5 characters a token.
+PROBE_CHARS_PER_TOKEN = 8
+#: Routes and the methods they answer.
+ROUTES = {"/v1/models": "GET", "/models": "GET", "/health": "GET", "": "GET", "/v1/completions": "POST",
+          "/v1/chat/completions": "POST"}
 
 
 class RequestError(Exception):
@@ -62,7 +85,24 @@ class HFGenerator:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        # no token is longer than its longest vocabulary entry (byte-level entries have one character a byte), so a
+        # prompt of more characters than this cannot fit the model: refused before tokenizing it
+        self.max_prompt_chars = self.max_model_len * _longest_token(self.tokenizer)
         self.lock = threading.Lock()  # one generation at a time: the model is not re-entrant
+
+    def _check_text(self, text: str, param: str) -> None:
+        """A 400 for a prompt too long for the model, found without tokenizing all of a long one: over
+        :attr:`max_prompt_chars` it cannot fit; over :data:`PROBE_CHARS_PER_TOKEN` characters a token, its first
+        that many characters are tokenized, and refused when they alone are over the length."""
+        if len(text) > self.max_prompt_chars:
+            raise RequestError(f"the prompt has {len(text)} characters, more than this model's {self.max_model_len} "
+                               f"tokens can hold (at most {self.max_prompt_chars} characters); shorten it", param=param)
+        probe = PROBE_CHARS_PER_TOKEN * self.max_model_len
+        if len(text) > probe:
+            head = len(self.tokenizer(text[:probe], add_special_tokens=False)["input_ids"])
+            if head > self.max_model_len + 16:  # a cut word is a few tokens more than whole, never 16
+                raise RequestError(f"the prompt's first {probe} characters alone are {head} tokens; this model takes "
+                                   f"at most {self.max_model_len} tokens in all; shorten it", param=param)
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of ``messages`` rendered by the chat template, with the assistant turn opened."""
@@ -70,11 +110,17 @@ class HFGenerator:
             raise RequestError("this model's tokenizer has no chat template; use /v1/completions with a plain prompt")
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list of {role, content}", param="messages")
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m:
-                raise RequestError("each message needs a 'role' and a 'content'", param="messages")
-            if isinstance(m.get("content"), list):  # OpenAI content parts: keep the text ones
-                m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise RequestError(f"messages[{i}] needs a 'role' (a string) and a 'content'", param="messages")
+            content = m.get("content")
+            if isinstance(content, list):  # OpenAI content parts: keep the text ones
+                m["content"] = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            elif not isinstance(content, str):
+                got = "null" if content is None else type(content).__name__
+                raise RequestError(f"messages[{i}].content must be a string or a list of content parts, got {got}",
+                                   param=f"messages[{i}].content")
+        self._check_text("".join(m["content"] for m in messages), "messages")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]
@@ -82,6 +128,7 @@ class HFGenerator:
 
     def text_prompt(self, prompt: str) -> list[int]:
         """Token ids of a plain prompt (the tokenizer's own special tokens added, as vLLM does)."""
+        self._check_text(prompt, "prompt")
         return list(self.tokenizer(prompt)["input_ids"])
 
     def stream(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
@@ -92,7 +139,8 @@ class HFGenerator:
         is yielded never has to be taken back.
         """
         import torch
-        from transformers import DynamicCache
+
+        from polyrl.models.kv_cache import cache_kwargs, new_cache
 
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model takes at most "
@@ -100,7 +148,7 @@ class HFGenerator:
         budget = min(max_tokens, self.max_model_len - len(prompt_ids))
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little"))
-        cache = DynamicCache()
+        cache = cache_kwargs(self.model, new_cache(self.model))  # under the name this transformers takes: no warning
         inputs = torch.tensor([prompt_ids], device=self.device)
         tokens: list[int] = []
         sent = ""
@@ -108,7 +156,7 @@ class HFGenerator:
         stopped = False  # by a stop string
         with torch.inference_mode():
             for _ in range(budget):
-                out = self.model(input_ids=inputs, past_key_values=cache, use_cache=True)
+                out = self.model(input_ids=inputs, use_cache=True, **cache)
                 logits = out.logits[0, -1].float()
                 token = _sample(logits, temperature, top_p, generator)
                 if token in self.eos_ids:
@@ -139,6 +187,16 @@ class HFGenerator:
         # are dropped, as vLLM's detokenizer does
         rest = "" if stopped else self.tokenizer.decode(tokens, skip_special_tokens=True)[len(sent):].rstrip("\ufffd")
         yield rest, reason, len(tokens)
+
+
+def _longest_token(tokenizer: Any) -> int:
+    """Characters of the tokenizer's longest vocabulary entry (special tokens included); 64 when it has no
+    vocabulary to read."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError, TypeError):
+        return 64
+    return max((len(token) for token in vocab), default=64) or 1
 
 
 def _sample(logits: Any, temperature: float, top_p: float, generator: Any) -> int:
@@ -174,8 +232,10 @@ def _params(body: dict[str, Any], default_max: int) -> dict[str, Any]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise RequestError("'stop' must be a string or a list of strings", param="stop")
-    n = body.get("n", 1) or 1
-    if not isinstance(n, int) or not 1 <= n <= 16:
+    n = body.get("n")
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16:
         raise RequestError("'n' must be an integer from 1 to 16", param="n")
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
@@ -194,43 +254,173 @@ class OpenAIServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], generator: HFGenerator, model_name: str) -> None:
+    def __init__(self, address: tuple[str, int], generator: HFGenerator, model_name: str, *,
+                 max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
         super().__init__(address, _Handler)
         self.generator, self.model_name = generator, model_name
+        self.max_request_bytes = max_request_bytes
         self.created = int(time.time())
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread for the connection, or a 503 when :data:`MAX_CONNECTIONS` are open."""
+        if not self._slots.acquire(blocking=False):
+            log.debug("client %s refused: %d connections open", client_address, MAX_CONNECTIONS)
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\n"
+                                b"Connection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: OpenAIServer
     protocol_version = "HTTP/1.1"
+    timeout = IDLE_TIMEOUT_S  # on the connection's socket: no read or write waits longer
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         log.info("%s %s", self.address_string(), format % args)
 
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except (ConnectionError, TimeoutError) as exc:  # the client left (mid-answer) or stalled: not our error
+            log.debug("client %s went away: %s", self.address_string(), exc)
+            self.close_connection = True
+
     # --------------------------------------------------------------- plumbing
-    def _json(self, status: int, doc: dict[str, Any]) -> None:
+    def _json(self, status: int, doc: dict[str, Any], headers: dict[str, str] | None = None) -> None:
         data = json.dumps(doc).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
-    def _error(self, exc: RequestError) -> None:
+    def _error(self, exc: RequestError, headers: dict[str, str] | None = None) -> None:
         kind = "invalid_request_error" if exc.status < 500 else "server_error"
         self._json(exc.status, {"error": {"message": str(exc), "type": kind, "param": exc.param,
-                                          "code": HTTPStatus(exc.status).phrase.lower().replace(" ", "_")}})
+                                          "code": HTTPStatus(exc.status).phrase.lower().replace(" ", "_")}}, headers)
+
+    def _refuse_unread(self, exc: RequestError, headers: dict[str, str] | None = None) -> None:
+        """Answer ``exc`` without reading the request's body, then close the connection (what is left of the body
+        cannot be told from a next request). A client still sending is given a moment and a bounded amount of
+        discarding, so that it reads the answer rather than a reset connection."""
+        self.close_connection = True
+        self._error(exc, headers)
+        self.wfile.flush()
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(0.5)
+            deadline, left = time.monotonic() + 2.0, 4 * self.server.max_request_bytes
+            while left > 0 and time.monotonic() < deadline and self.rfile.read1(min(left, 1 << 16)):
+                left -= 1 << 16
+        except OSError:
+            pass
+
+    def _expected_length(self) -> int | None:
+        """The body's length from ``Content-Length`` (None for a chunked body); a 413 when it is over the bound."""
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            return None
+        text = self.headers.get("Content-Length") or "0"
+        if not text.strip().isdigit():
+            raise RequestError(f"Content-Length {text!r} is not a number of bytes")
+        length = int(text)
+        if length > self.server.max_request_bytes:
+            raise RequestError(f"the request body has {length} bytes; this server takes at most "
+                               f"{self.server.max_request_bytes} (polyrl serve --max-request-bytes)", status=413)
+        return length
+
+    def handle_expect_100(self) -> bool:
+        """``Expect: 100-continue`` (curl's way with a large body): refuse before the client sends it."""
+        if self.command == "POST" and self.path.split("?")[0].rstrip("/") in ROUTES:
+            try:
+                self._expected_length()
+            except RequestError as exc:
+                self.close_connection = True
+                self._error(exc)
+                return False
+        return super().handle_expect_100()
+
+    def _read(self, count: int, deadline: float) -> bytes:
+        """``count`` bytes of the body, before ``deadline`` (a 408 after it)."""
+        parts: list[bytes] = []
+        while count > 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestError(f"the request body did not arrive within {BODY_DEADLINE_S:.0f} s", status=408)
+            self.connection.settimeout(left)
+            try:
+                data = self.rfile.read1(min(count, 1 << 16))
+            except TimeoutError:  # the socket cannot be read after a timeout: the connection ends here
+                raise RequestError(f"the request body did not arrive within {BODY_DEADLINE_S:.0f} s", status=408) from None
+            if not data:
+                raise ConnectionResetError("the client closed the connection while sending its request")
+            parts.append(data)
+            count -= len(data)
+        return b"".join(parts)
+
+    def _read_chunked(self, deadline: float) -> bytes:
+        """A ``Transfer-Encoding: chunked`` body, refused with 413 as soon as it passes the bound."""
+        parts: list[bytes] = []
+        total = 0
+        while True:
+            line = self._read_line(deadline)
+            try:
+                size = int(line.split(b";")[0].strip(), 16)
+            except ValueError:
+                raise RequestError("the chunked request body is malformed") from None
+            if size == 0:
+                for _ in range(100):  # trailer fields, up to the blank line
+                    if not self._read_line(deadline).strip():
+                        break
+                return b"".join(parts)
+            total += size
+            if total > self.server.max_request_bytes:
+                raise RequestError(f"the request body has more than {self.server.max_request_bytes} bytes (polyrl "
+                                   "serve --max-request-bytes)", status=413)
+            parts.append(self._read(size, deadline))
+            self._read(2, deadline)  # the chunk's CRLF
+
+    def _read_line(self, deadline: float) -> bytes:
+        line = b""
+        while not line.endswith(b"\n"):
+            if len(line) > 1024:
+                raise RequestError("the chunked request body is malformed")
+            line += self._read(1, deadline)
+        return line
 
     def _body(self) -> dict[str, Any]:
-        length = int(self.headers.get("Content-Length") or 0)
+        deadline = time.monotonic() + BODY_DEADLINE_S
+        length = self._expected_length()
         try:
-            body = json.loads(self.rfile.read(length) or b"{}")
+            raw = self._read_chunked(deadline) if length is None else self._read(length, deadline)
+        finally:
+            self.connection.settimeout(self.timeout)
+        try:
+            body = json.loads(raw or b"{}")
         except ValueError:
             raise RequestError("the request body is not JSON") from None
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
         model = body.get("model")
-        if model is not None and model != self.server.model_name:
+        if model is None:  # OpenAI's API requires it too
+            raise RequestError(f"you must provide a model parameter ('model': '{self.server.model_name}')",
+                               param="model")
+        if model != self.server.model_name:
             raise RequestError(f"the model '{model}' does not exist; this server serves '{self.server.model_name}'",
                                status=404, param="model")
         return body
@@ -249,30 +439,56 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     # --------------------------------------------------------------- routes
+    def _route(self) -> str | None:
+        """This request's route when this method serves it; otherwise the 404 or 405 answer is sent (body unread)
+        and None returned."""
+        route = self.path.split("?")[0].rstrip("/")
+        allowed = ROUTES.get(route)
+        if allowed is None:
+            self._refuse_unread(RequestError(f"no route {self.path}", status=404))
+            return None
+        if allowed != self.command:
+            self._refuse_unread(RequestError(f"{self.path} takes {allowed}, not {self.command}", status=405),
+                                {"Allow": allowed})
+            return None
+        return route
+
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        if self.path.rstrip("/") in ("/v1/models", "/models"):
+        route = self._route()
+        if route in ("/v1/models", "/models"):
             s = self.server
             self._json(200, {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": s.created,
                                                          "owned_by": "polyrl"}]})
-        elif self.path.rstrip("/") in ("/health", ""):
+        elif route is not None:
             self._json(200, {"status": "ok"})
-        else:
-            self._error(RequestError(f"no route {self.path}", status=404))
+
+    def do_PUT(self) -> None:  # noqa: N802 - every other method: 405 on a route, 404 elsewhere
+        self._route()
+
+    do_DELETE = do_PATCH = do_PUT  # noqa: N815
 
     def do_POST(self) -> None:  # noqa: N802
-        route = self.path.rstrip("/")
+        route = self._route()
+        if route is None:
+            return
         try:
             body = self._body()
+        except RequestError as exc:
+            if exc.status in (408, 413):  # the body was not read (whole): the connection cannot go on
+                self._refuse_unread(exc)
+            else:
+                self._error(exc)
+            return
+        try:
             if route == "/v1/completions":
                 self._completion(body)
-            elif route == "/v1/chat/completions":
-                self._chat(body)
             else:
-                raise RequestError(f"no route {self.path}", status=404)
+                self._chat(body)
         except RequestError as exc:
             self._error(exc)
-        except (BrokenPipeError, ConnectionResetError):  # the client went away mid-stream
-            log.info("client %s disconnected", self.address_string())
+        except (ConnectionError, TimeoutError) as exc:  # the client went away mid-answer
+            log.debug("client %s went away mid-answer: %s", self.address_string(), exc)
+            self.close_connection = True
         except Exception as exc:  # a bug or a model failure: answer 500, keep serving
             log.exception("request %s failed", route)
             try:
@@ -287,6 +503,9 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
             raise RequestError("'prompt' must be a string or a list of strings", param="prompt")
         params = _params(body, DEFAULT_COMPLETION_TOKENS)
+        if len(prompts) * params["n"] > MAX_CHOICES:
+            raise RequestError(f"{len(prompts)} prompts times n={params['n']} asks for more than {MAX_CHOICES} "
+                               "completions in one request; split it", param="prompt")
         jobs = [(i * params["n"] + j, gen.text_prompt(p)) for i, p in enumerate(prompts) for j in range(params["n"])]
         self._respond(body, jobs, params, chat=False)
 
@@ -363,10 +582,10 @@ class _Handler(BaseHTTPRequestHandler):
 
 def run_hf_server(model_dir: str | Path, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
                   trust_remote_code: bool = False, max_model_len: int | None = None,
-                  ready: Callable[[str], None] | None = None) -> int:
+                  max_request_bytes: int = MAX_REQUEST_BYTES, ready: Callable[[str], None] | None = None) -> int:
     """Load the model, serve until SIGINT/SIGTERM, then close the socket; returns 0."""
     generator = HFGenerator(model_dir, trust_remote_code=trust_remote_code, max_model_len=max_model_len)
-    server = OpenAIServer((host, port), generator, model_name)
+    server = OpenAIServer((host, port), generator, model_name, max_request_bytes=max_request_bytes)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{server.server_address[1]}/v1"
     stopping = threading.Event()
 
