@@ -141,6 +141,11 @@ def test_errors_name_the_keys_a_verl_layout_config_writes():
                     "data.filter_overlong_prompts=True; custom_reward_function.path failed; "
                     f"{ARR}.actor.optim.lr_warmup_steps")
     assert speak_verl(f"{ARR}.rollout.name and +trainer.seed") == f"{ARR}.rollout.name and +trainer.seed"
+    # the over-length hint: verl's way to drop long prompts; data.truncation is verl's own key and stays
+    assert speak_verl("over data.max_prompt_length=8; raise it or set data.truncation to filter/left/right") == (
+        "over data.max_prompt_length=8; raise it or set data.filter_overlong_prompts=True (or "
+        "data.truncation=left/right)")
+    assert speak_verl("data.truncation=left") == "data.truncation=left"
 
 
 def _laptop_overrides(model: Path, data: Path) -> list[str]:

@@ -571,6 +571,7 @@ def _map(view: table.VerlView, raw: Mapping[str, Any]) -> tuple[dict[str, Any], 
 _PHRASES = {
     "data.truncation=filter": "data.filter_overlong_prompts=True",
     "data.truncation: filter": "data.filter_overlong_prompts=True",
+    "data.truncation to filter/left/right": "data.filter_overlong_prompts=True (or data.truncation=left/right)",
     "reward.function": "custom_reward_function.path",
     "trainer.n_workers": "trainer.nnodes * trainer.n_gpus_per_node",
     "trainer.run_dir": "trainer.default_local_dir",
@@ -582,11 +583,14 @@ def _spoken() -> tuple[re.Pattern[str], dict[str, str]]:
     """polyrl key -> how a verl-layout config writes it: the table's mapped verl key, or ``+key`` for polyrl's
     own settings (which verl's layout takes only with ``+``)."""
     names: dict[str, str] = dict(_PHRASES)
+    # a key verl spells as polyrl does (data.truncation) stays, whatever else maps onto it
+    same = {e.native for e in table.TABLE if isinstance(e, table.Mapped) and e.verl == e.native
+            and "polyrl only" not in e.note}
     for entry in table.TABLE:
         if not isinstance(entry, table.Mapped) or "*" in entry.verl:
             continue
         native = entry.native
-        if not re.fullmatch(r"[A-Za-z_][\w.]*", native) or native in names:
+        if not re.fullmatch(r"[A-Za-z_][\w.]*", native) or native in names or native in same:
             continue
         names[native] = f"+{native}" if "polyrl only" in entry.note else entry.verl
     names = {k: v for k, v in names.items() if k != v}
