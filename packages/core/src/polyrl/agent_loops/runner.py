@@ -142,7 +142,8 @@ def sample_of_rows(batch: TensorDict, n_samples: int) -> list[int] | None:
     row per sample (the usual case). Rows of one sample are consecutive and the first has ``step_index`` 0
     (:func:`run_agent_loops`)."""
     rows = batch.batch_size[0]
-    if "step_index" not in batch.keys():
+    # a [rows] field only: a diffusion rollout's ``step_index`` is [rows, T], its sampler's steps, one row a sample
+    if "step_index" not in batch.keys() or batch["step_index"].dim() != 1:
         if rows != n_samples:
             raise ValueError(f"{rows} rows were generated for {n_samples} samples, and no 'step_index' field says "
                              "which rows belong to which sample")
