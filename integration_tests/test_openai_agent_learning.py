@@ -12,8 +12,8 @@ of 1 prompt), lr 1e-2, 12 steps, ``polyrl train`` with the local executor.
 
 Measured (2 shared CPU cores, 2026-12, ``trainer.seed=1``), the rule's mean per step:
 treatment 0.04 0.05 0.05 0.06 0.10 0.22 0.27 0.40 0.46 0.61 0.77 0.86; control 0.03 0.01 0.00 0.02 0.05 0.04
-0.05 0.07 0.02 0.00 0.00 0.02. With 4 updates of 4 prompts a step instead it learnt too (0.03 -> 0.19 in 12
-steps), slower. Each run about 45 s on the loaded machine (28 s of CPU for both).
+0.05 0.07 0.02 0.00 0.00 0.02. With one update a step (a mini-batch of all 4 prompts) it learnt too, slower
+(0.03 -> 0.19 in 12 steps). Each run about 45 s on the loaded machine (28 s of CPU for both).
 """
 
 from __future__ import annotations

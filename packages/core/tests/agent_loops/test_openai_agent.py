@@ -144,6 +144,43 @@ def test_trained_tokens_are_the_sampled_tokens_across_tool_turns(tok):
     assert [(o.prompt_ids, o.response_ids, o.log_probs) for o in per_call] == client.sampled
 
 
+def test_per_call_rows_through_the_runner(tok):
+    """``samples=per_call``: one row per call through ``run_agent_loops`` (the several-rows-per-sample seam), each
+    row exactly its call, every row the episode's reward, the episode's counters counted once."""
+    from polyrl.agent_loops.runner import sample_of_rows
+    from polyrl.trainer.step_rows import pad_step_rows
+
+    def script(prompt, k):  # the last row answers at once: one call
+        return "The answer is 5." if "quick" in prompt else three_turn_script(prompt, k)
+
+    client = ScriptedClient(tok, script)
+    loop = make_loop(tok, calculator_program, samples="per_call")
+    samples = [{"uid": "p0", "question": "2+1+2?"}, {"uid": "p1", "question": "2+1+2?"},
+               {"uid": "p2", "question": "quick: 5?"}]
+    outs = run_agent_loops(samples, SamplingParams(max_new_tokens=512), client, {"openai_agent": loop},
+                           default="openai_agent")
+    assert len(outs) == 7 and len(client.sampled) == 7
+    assert sorted((o.prompt_ids, o.response_ids, o.log_probs) for o in outs) == sorted(client.sampled)
+    for o in outs:
+        assert o.response_mask == [1] * len(o.response_ids) and o.metrics["tool_reward"] == 1.0
+    batch = collate(outs, pad_token_id=0, max_prompt_length=512, max_response_length=128)
+    assert sample_of_rows(batch, 3) == [0, 0, 0, 1, 1, 1, 2]
+    assert batch["episode_end"].tolist() == [0, 0, 1, 0, 0, 1, 1]
+    metrics = agent_metrics(batch)
+    assert metrics["agent/model_calls/total"] == 7.0 and metrics["env/episodes"] == 3.0
+    assert metrics["env/steps/mean"] == pytest.approx(7 / 3) and metrics["env/success_rate"] == 1.0
+    # the trainer pads step rows to whole mini-batches with copies of the last row: they count nothing
+    padded = pad_step_rows(batch, 12)
+    assert padded.batch_size[0] == 12
+    assert agent_metrics(padded)["agent/model_calls/total"] == 7.0
+    # a call whose prompt outgrows data.max_prompt_length is refused (it would be cut in the batch)
+    short = make_loop(tok, calculator_program, samples="per_call")
+    short.max_prompt_length = len(client.sampled[0][0]) + 10
+    episode = run_one(short, ScriptedClient(tok, three_turn_script), {"uid": "q", "question": "2+1+2?"})
+    assert episode.status == "raised" and "data.max_prompt_length is" in episode.detail
+    assert "samples=per_call" in episode.detail
+
+
 def test_the_program_sees_tool_calls_and_the_first_prompt_is_the_template(tok):
     seen = {}
 

@@ -202,7 +202,8 @@ class OpenAIAgentLoop:
             loop=loop, client=client, tokenizer=self.tokenizer, renderer=self.renderer, parser=self.parser,
             sampling_params=sampling_params.replace(n=1), budget=sampling_params.max_new_tokens,
             max_prompt_length=self.max_prompt_length, max_calls=opts.max_calls,
-            deadline=time.monotonic() + opts.timeout_s, uid=str(sample.get("uid", "")))
+            deadline=time.monotonic() + opts.timeout_s, uid=str(sample.get("uid", "")),
+            per_call=opts.samples == "per_call")
         client_kwargs = {"base_url": proxy.base_url, "api_key": traj.key}
         row = {k: v for k, v in sample.items() if k != "multi_modal_data"}
         done: asyncio.Future = loop.create_future()
@@ -271,43 +272,64 @@ class OpenAIAgentLoop:
 
     # ------------------------------------------------------------------ the AgentLoop protocol
     async def run(self, sample: Mapping[str, Any], sampling_params: SamplingParams,
-                  client: GenerationClient) -> AgentLoopOutput:
-        """One training sample of the program's episode (``merged``)."""
-        if self.options.samples == "per_call":
-            raise ConfigError("agent.openai_agent.samples=per_call: the trainer takes one sample per trajectory; "
-                              "use samples=merged (per_call episodes: OpenAIAgentLoop.run_episode + episode_samples)")
+                  client: GenerationClient) -> AgentLoopOutput | list[AgentLoopOutput]:
+        """The training samples of the program's episode: one (``merged``), or one per call (``per_call``: a
+        list, the trainer's several-rows-per-sample seam, docs/environments.md)."""
         episode = await self.run_episode(sample, sampling_params, client)
+        if self.options.samples == "per_call":
+            return self.to_outputs(episode, sample)
         return self.to_output(episode, sample)
 
-    def to_output(self, episode: Episode, sample: Mapping[str, Any]) -> AgentLoopOutput:
-        """The ``merged`` sample of ``episode``, its reward in ``metrics['tool_reward']`` (how it reaches the
-        score, see docs/agents.md) and its counters as ``agent_*`` extras."""
-        opts = self.options
-        samples = episode_samples(episode.calls, "merged")
-        if samples:
-            out = samples[0]
-        else:  # nothing was sampled: a placeholder that trains nothing
-            prompt = list(sample.get("prompt_ids") or [])
-            eos = getattr(self.tokenizer, "eos_token_id", None)
-            pad = eos if eos is not None else 0
-            out = AgentLoopOutput(prompt_ids=prompt or [pad], response_ids=[pad], response_mask=[0], log_probs=[0.0],
-                                  num_turns=0, finish_reason="stop")
-        failed = episode.status != "ok"
-        reward = opts.error_score if failed else float(episode.reward or 0.0)
-        if failed and opts.on_error == "drop":
-            out.response_mask = [0] * len(out.response_ids)
-        trained = trained_chain(episode.calls)
-        out.metrics = {**out.metrics, "tool_reward": reward, "turns": float(out.num_turns),
-                       "truncated": float(out.finish_reason == "length")}
+    def _placeholder(self, sample: Mapping[str, Any]) -> AgentLoopOutput:
+        """The sample of an episode that sampled nothing: one token that trains nothing."""
+        prompt = list(sample.get("prompt_ids") or [])
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        pad = eos if eos is not None else 0
+        return AgentLoopOutput(prompt_ids=prompt or [pad], response_ids=[pad], response_mask=[0], log_probs=[0.0],
+                               num_turns=0, finish_reason="stop")
+
+    def _reward(self, episode: Episode) -> float:
+        return self.options.error_score if episode.status != "ok" else float(episode.reward or 0.0)
+
+    def _counters(self, episode: Episode, trained: int) -> dict[str, float]:
         counters = episode.counters
-        out.extra = {
+        return {
             "agent_model_calls": float(len(episode.calls)),
-            "agent_calls_not_trained": float(len(episode.calls) - len(trained)),
+            "agent_calls_not_trained": float(len(episode.calls) - trained),
             "agent_history_edits": counters.get("history_edits", 0.0),
             "agent_bad_requests": counters.get("bad_requests", 0.0),
             **{f"agent_program_{s}": float(episode.status == s) for s in FAILURES},
         }
+
+    def to_output(self, episode: Episode, sample: Mapping[str, Any]) -> AgentLoopOutput:
+        """The ``merged`` sample of ``episode``, its reward in ``metrics['tool_reward']`` (how it reaches the
+        score, see docs/agents.md) and its counters as ``agent_*`` extras."""
+        samples = episode_samples(episode.calls, "merged")
+        out = samples[0] if samples else self._placeholder(sample)
+        if episode.status != "ok" and self.options.on_error == "drop":
+            out.response_mask = [0] * len(out.response_ids)
+        out.metrics = {**out.metrics, "tool_reward": self._reward(episode), "turns": float(out.num_turns),
+                       "truncated": float(out.finish_reason == "length")}
+        out.extra = self._counters(episode, len(trained_chain(episode.calls)))
         return out
+
+    def to_outputs(self, episode: Episode, sample: Mapping[str, Any]) -> list[AgentLoopOutput]:
+        """The ``per_call`` samples of ``episode``: one row per call, each with the episode's reward (every call
+        of the episode is credited with its outcome), the counters on the first row (so batch totals count each
+        episode once), and the fields of the trainer's step rows (``episode_end`` on the last row,
+        ``episode_success``: reward > 0, ``episode_steps``: the calls)."""
+        outs = episode_samples(episode.calls, "per_call") or [self._placeholder(sample)]
+        reward = self._reward(episode)
+        zero = dict.fromkeys(self._counters(episode, 0), 0.0)
+        for t, out in enumerate(outs):
+            if episode.status != "ok" and self.options.on_error == "drop":
+                out.response_mask = [0] * len(out.response_ids)
+            out.metrics = {**out.metrics, "tool_reward": reward, "turns": 1.0,
+                           "truncated": float(out.finish_reason == "length")}
+            out.extra = {**(self._counters(episode, len(episode.calls)) if t == 0 else zero),
+                         "episode_end": float(t == len(outs) - 1),
+                         "episode_success": float(reward > 0), "episode_steps": float(len(episode.calls))}
+        return outs
 
 
 def hung_programs() -> int:

@@ -93,6 +93,8 @@ class Trajectory:
     max_calls: int
     deadline: float
     uid: str = ""
+    #: each call is a sample of its own: every prompt within ``max_prompt_length``, every call's budget ``budget``
+    per_call: bool = False
     calls: list[Call] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=lambda: {
         "bad_requests": 0.0, "history_edits": 0.0, "new_chains": 0.0, "budget_refusals": 0.0})
@@ -316,12 +318,13 @@ def complete(traj: Trajectory, body: Any) -> tuple[dict[str, Any], list[dict[str
             raise RequestError(f"this episode made its {traj.max_calls} chat completions "
                                "(agent.openai_agent.max_calls)", status=429)
     prompt_ids, parent, delta_ids = traj.prompt_for(req["messages"], req["tools"])
-    if parent is None:
+    if parent is None or traj.per_call:
         limit = traj.max_prompt_length
         if limit and len(prompt_ids) > limit:
             traj.count("budget_refusals")
-            raise RequestError(f"the prompt is {len(prompt_ids)} tokens; data.max_prompt_length is {limit}",
-                               code="context_length_exceeded", param="messages")
+            raise RequestError(f"the prompt is {len(prompt_ids)} tokens; data.max_prompt_length is {limit}"
+                               + (" (samples=per_call: every call's prompt is a sample's prompt)" if parent is not None
+                                  else ""), code="context_length_exceeded", param="messages")
         left = traj.budget
     else:
         left = traj.budget - (len(prompt_ids) - traj.root_length(parent))

@@ -280,11 +280,21 @@ def agent_metrics(batch: TensorDict) -> dict[str, float]:
         **({"agent/parse_errors/total": float(batch["parse_errors"].sum()),
             "agent/tool_timeouts/total": float(batch["tool_timeouts"].sum()),
             "agent/tools_hung": float(batch["tools_hung"].max())} if "tools_hung" in batch.keys() else {}),
-        # a loop's own counters: a numeric AgentLoopOutput.extra named agent_<name> is summed over the batch
-        **{f"agent/{key[6:]}/total": float(batch[key].float().sum()) for key in sorted(batch.keys())
-           if isinstance(key, str) and key.startswith("agent_") and batch[key].dim() == 1},
+        **loop_counters(batch),
         **environment_metrics(batch),
     }
+
+
+def loop_counters(batch: TensorDict) -> dict[str, float]:
+    """A loop's own counters: a numeric ``AgentLoopOutput.extra`` named ``agent_<name>`` is summed over the batch's
+    rows into ``agent/<name>/total`` (the rows that pad a batch of step rows, ``step_padding`` 1, left out)."""
+    keep = (1.0 - batch["step_padding"].float()) if "step_padding" in batch.keys() else None
+    out = {}
+    for key in sorted(batch.keys()):
+        if isinstance(key, str) and key.startswith("agent_") and batch[key].dim() == 1:
+            values = batch[key].float()
+            out[f"agent/{key[6:]}/total"] = float((values * keep if keep is not None else values).sum())
+    return out
 
 
 def environment_metrics(batch: TensorDict) -> dict[str, float]:

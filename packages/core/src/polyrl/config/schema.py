@@ -248,7 +248,7 @@ class OpenAIAgentConfig:
     #: async) and returning the reward (a number, or a dict with ``reward``).
     run: str = ""
     #: What an episode trains: ``merged`` (the longest prefix-consistent chain of calls, one sequence) or
-    #: ``per_call`` (one sample per call; through the library API, not yet through the trainer).
+    #: ``per_call`` (one sample per call, each with the episode's reward).
     samples: str = "merged"
     #: Wall-clock seconds a program may run; past it its key is revoked and the episode counts as timed out.
     timeout_s: float = 300.0
