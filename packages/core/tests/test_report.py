@@ -204,10 +204,32 @@ def test_generations_from_the_configured_folder(tmp_path):
 _any_float = st.floats(allow_nan=True, allow_infinity=True)
 
 
-@pytest.mark.timeout(120)
-@settings(max_examples=400, deadline=200)  # ms per example: a tick loop that does not advance fails here
+def _bounded(fn, *, extra_bytes: int = 1 << 30, timeout: float = 100.0) -> None:
+    """Run ``fn`` (a hypothesis test) in a forked child whose address space may grow by ``extra_bytes`` at most, so
+    that a loop that never ends (the old tick code's, issue 47) fails the test with a MemoryError or the timeout
+    instead of taking the machine. The child's output (a falsifying example) goes where the test's does."""
+    import multiprocessing
+    import resource
+
+    def target() -> None:
+        with open("/proc/self/status") as f:
+            size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (size + extra_bytes, resource.RLIM_INFINITY))
+        fn()
+
+    child = multiprocessing.get_context("fork").Process(target=target)
+    child.start()
+    child.join(timeout)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail(f"{fn.__name__} did not finish within {timeout:.0f} s")
+    assert child.exitcode == 0, f"{fn.__name__} failed (exit code {child.exitcode}; its output is above)"
+
+
+@settings(max_examples=400, deadline=1000)  # ms per example
 @given(lo=_any_float, hi=_any_float, count=st.integers(0, 12))
-def test_ticks_are_few_ordered_and_inside_the_range_for_any_floats(lo, hi, count):
+def _ticks_are_few_ordered_and_inside_the_range(lo, hi, count):
     ticks = axis_ticks(lo, hi, count)
     assert len(ticks) <= 3 * max(2, count) + 1
     assert all(np.isfinite(ticks)) and ticks == sorted(set(ticks))
@@ -217,10 +239,14 @@ def test_ticks_are_few_ordered_and_inside_the_range_for_any_floats(lo, hi, count
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=200, deadline=500)
+def test_ticks_are_few_ordered_and_inside_the_range_for_any_floats():
+    _bounded(_ticks_are_few_ordered_and_inside_the_range)
+
+
+@settings(max_examples=200, deadline=2000)
 @given(values=st.lists(st.floats(allow_nan=False, allow_infinity=False), min_size=1, max_size=50),
        first_step=st.integers(-(2**53), 2**53 - 100))
-def test_a_panel_of_any_finite_values_is_small_and_drawable(values, first_step):
+def _panel_is_small_and_drawable(values, first_step):
     lo, hi = axis_limits(min(values), max(values))
     assert np.isfinite([lo, hi]).all() and lo < hi and lo <= min(values) and max(values) <= hi
     svg = svg_panel("p", {"m": [(float(first_step + i), v) for i, v in enumerate(values)]})
@@ -230,21 +256,33 @@ def test_a_panel_of_any_finite_values_is_small_and_drawable(values, first_step):
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=60, deadline=2000)
+def test_a_panel_of_any_finite_values_is_small_and_drawable():
+    _bounded(_panel_is_small_and_drawable)
+
+
+@settings(max_examples=60, deadline=5000)
 @given(rows=st.lists(st.fixed_dictionaries({"step": st.integers(-5, 10**20)}, optional={
     "actor/lr": st.one_of(_any_float, st.integers(-(10**400), 10**400), st.booleans(), st.text(max_size=3),
                           st.none()),
     "critic/score/mean": _any_float, "val/x/mean@1": st.sampled_from([0.0001, 9.999999999999999e-05, 1e-300])}),
     min_size=1, max_size=30))
-def test_any_metrics_file_renders_in_bounded_time(rows, tmp_path_factory):
-    run = tmp_path_factory.mktemp("fuzz")
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 99, "cut')
-    try:
-        page = render_report(run)
-    except DataError as exc:  # no row with a usable step
-        assert "no metrics yet" in str(exc)
-        return
-    assert page.endswith("</html>\n") and len(page) < 200_000
+def _any_metrics_file_renders(rows):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        run = Path(folder)
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 99, "cut')
+        try:
+            page = render_report(run)
+        except DataError as exc:  # no row with a usable step
+            assert "no metrics yet" in str(exc)
+            return
+        assert page.endswith("</html>\n") and len(page) < 200_000
+
+
+@pytest.mark.timeout(120)
+def test_any_metrics_file_renders_in_bounded_time():
+    _bounded(_any_metrics_file_renders)
 
 
 def test_a_one_ulp_range_is_drawn_at_once(tmp_path):
