@@ -318,7 +318,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _refuse_unread(self, exc: RequestError, headers: dict[str, str] | None = None) -> None:
         """Answer ``exc`` without reading the request's body, then close the connection (what is left of the body
         cannot be told from a next request). A client still sending is given a moment and a bounded amount of
-        discarding, so that it reads the answer rather than a reset connection."""
+        discarding, so that it reads the answer rather than a reset connection. A request without a body keeps its
+        connection."""
+        chunked = "chunked" in self.headers.get("Transfer-Encoding", "").lower()
+        if not chunked and (self.headers.get("Content-Length") or "0").strip() == "0":
+            self._error(exc, headers)
+            return
         self.close_connection = True
         self._error(exc, headers)
         self.wfile.flush()
