@@ -124,6 +124,21 @@ def test_newer_verl_blocks_resolve_or_are_refused_by_key():
         assert key in str(err.value) and "\n" not in str(err.value)
 
 
+def test_model_engine_in_a_file_or_its_defaults_list_picks_the_trees(tmp_path):
+    megatron = "actor_rollout_ref:\n  actor:\n    megatron:\n      tensor_model_parallel_size: 2\n"
+    listed = tmp_path / "listed.yaml"  # as verl's own ppo_megatron_trainer.yaml does it
+    listed.write_text("defaults:\n  - ppo_trainer\n  - override model_engine: megatron\n  - _self_\n" + megatron)
+    top = tmp_path / "top.yaml"
+    top.write_text("model_engine: megatron\n" + megatron)
+    for file in (listed, top):
+        loaded = load_with_origins(PolyrlConfig, [file], BASE, config_format="verl", strict_plugins=False)
+        actor = to_dict(loaded.config)["actor"]
+        assert actor["engine"] == "megatron" and actor["plugin_config"]["tensor_model_parallel_size"] == 2, file
+    (tmp_path / "veomni.yaml").write_text("model_engine: veomni\n")
+    with pytest.raises(ConfigError, match="veomni.yaml"):
+        load_with_origins(PolyrlConfig, [tmp_path / "veomni.yaml"], BASE, config_format="verl", strict_plugins=False)
+
+
 def test_hydra_escapes_in_unquoted_values():
     value = parse_override(r"+a.plan={model.layers.\{*\}:{},lm_head:{}}").value
     assert value == {"model.layers.{*}": {}, "lm_head": {}}

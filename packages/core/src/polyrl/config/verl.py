@@ -128,6 +128,8 @@ class _Tree:
         self.origins: dict[str, str] = {}
         self.known: set[str] = set()  # keys of verl's own trees (a plain override must name one)
         self.trainer: str | None = None
+        #: verl's model_engine choice (dp, megatron) a shipped trainer config is composed with; None: its own.
+        self.engine: str | None = None
 
     def merge(self, data: Mapping, origin: str | Mapping[str, str], *, known: bool = False) -> None:
         new = list(flatten(data))
@@ -185,13 +187,18 @@ def _compose_file(path: Path, search: Sequence[Path], tree: _Tree, seen: tuple[P
         raise ConfigError(f"verl config {path}: 'defaults' must be a list")
     dirs = [path.parent, *search]
     self_done = False
+    for entry in defaults:  # `override model_engine: megatron` picks the trees of a trainer config listed before it
+        if isinstance(entry, dict) and len(entry) == 1:
+            group, _, option = _parse_default(entry, path)
+            if group == "model_engine" and tree.engine is None and option is not None:
+                tree.engine = _engine_choice(option, f"the defaults list of {path}")
     for entry in defaults:
         if entry == "_self_":
             tree.merge(data, origins)
             self_done = True
             continue
         group, package, option = _parse_default(entry, path)
-        if option is None:
+        if option is None or group == "model_engine":
             continue
         _compose_entry(group, package, option, dirs, tree, path, entry, (*seen, path.resolve()))
     if not self_done:
@@ -229,10 +236,12 @@ def _compose_entry(group: str, package: str | None, option: str, dirs: Sequence[
         candidate = folder / rel
         if candidate.exists():
             sub = _Tree()
+            sub.engine = tree.engine
             _compose_file(candidate, [], sub, seen)
             _merge_placed(tree, sub, target)
             return
     if not group and option in TRAINER_CONFIGS:
+        option = MODEL_ENGINES[tree.engine] if tree.engine else option
         tree.merge(shipped_tree(option), f"verl default ({option})", known=True)
         tree.trainer = option
         return
@@ -252,6 +261,7 @@ def _merge_placed(tree: _Tree, sub: _Tree, target: str) -> None:
     tree.merge(_place(sub.data, target), {prefix + k: v for k, v in sub.origins.items()})
     tree.known |= {prefix + k for k in sub.known}
     tree.trainer = tree.trainer or sub.trainer
+    tree.engine = tree.engine or sub.engine
 
 
 def _did_you_mean(key: str, names: Sequence[str]) -> str:
@@ -276,7 +286,8 @@ def compose(files: Sequence[str | Path] = (), overrides: Sequence[str] = (), *, 
     tree = _Tree()
     search = [Path(config_path)] if config_path else []
     parsed = [parse_override(text) for text in overrides]
-    engine = _model_engine(parsed)
+    engine = _model_engine(parsed) or _file_engine(files)
+    tree.engine = engine
     if config_name:
         name = config_name[:-5] if config_name.endswith(".yaml") else config_name
         own = Path(config_path) / f"{name}.yaml" if config_path else None
@@ -290,8 +301,9 @@ def compose(files: Sequence[str | Path] = (), overrides: Sequence[str] = (), *, 
             where = f" in {config_path}" if config_path else ""
             raise ConfigError(f"--config-name {config_name}: no {name}.yaml{where}, and it is not one of verl's "
                               f"trainer configs polyrl ships ({', '.join(TRAINER_CONFIGS)})")
-    composed = [_compose_one(Path(f), search) for f in files]
+    composed = [_compose_one(Path(f), search, engine) for f in files]
     if tree.trainer is None and not any(t.trainer for t in composed):
+        engine = engine or next((t.engine for t in composed if t.engine), None)
         name = MODEL_ENGINES[engine] if engine else "ppo_trainer"
         base = _Tree()
         base.merge(shipped_tree(name), f"verl default ({name})", known=True)
@@ -311,17 +323,32 @@ def _model_engine(overrides: Sequence[Override]) -> str | None:
     chosen = None
     for override in overrides:
         if override.key == "model_engine" and override.op != "delete":
-            value = str(override.value)
-            if value not in MODEL_ENGINES:
-                raise ConfigError(f"verl's model_engine={value} (from command line '{override.text}') is not an "
-                                  f"engine polyrl has: dp (polyrl's fsdp) or megatron. docs/from_verl.md lists what "
-                                  "each verl key becomes")
-            chosen = value
+            chosen = _engine_choice(override.value, f"command line '{override.text}'")
     return chosen
 
 
-def _compose_one(path: Path, search: Sequence[Path]) -> _Tree:
+def _file_engine(files: Sequence[str | Path]) -> str | None:
+    """A top-level ``model_engine:`` of the YAML files (the last one that has it), or None."""
+    chosen = None
+    for file in files:
+        path = Path(file)
+        if path.exists():
+            value = _read_yaml(path).get("model_engine")
+            if value is not None:
+                chosen = _engine_choice(value, str(path))
+    return chosen
+
+
+def _engine_choice(value: Any, where: str) -> str:
+    if str(value) not in MODEL_ENGINES:
+        raise ConfigError(f"verl's model_engine={value} (from {where}) is not an engine polyrl has: dp (polyrl's "
+                          "fsdp) or megatron. docs/from_verl.md lists what each verl key becomes")
+    return str(value)
+
+
+def _compose_one(path: Path, search: Sequence[Path], engine: str | None = None) -> _Tree:
     sub = _Tree()
+    sub.engine = engine
     _compose_file(path, search, sub)
     return sub
 
