@@ -1017,8 +1017,9 @@ def _build_table() -> list[Entry]:
     t += [
         Refused("model_engine", "polyrl's engines are fsdp (verl's dp) and megatron; the actor's strategy follows the "
                 "tree model_engine chooses", allowed=("dp", "megatron")),
-        Ignored("ray_kwargs.ray_init.runtime_env.*", "polyrl's Ray workers inherit the environment of `polyrl train`: "
-                "export the variables before the run", open=True),
+        Ignored("ray_kwargs.ray_init.runtime_env.*", "the Ray cluster polyrl starts gives its workers the "
+                "environment of `polyrl train`: export the variables before the run (on a cluster you started, "
+                "+trainer.ray_address, set them where its nodes start)", open=True),
         Ignored("ray_kwargs.ray_init.runtime_env.py_executable", "polyrl's workers run the interpreter of `polyrl "
                 "train` (its virtual environment)"),
         Ignored("ray_kwargs.ray_init.*", "Ray start-up options polyrl does not pass (trainer.ray_num_cpus, "
