@@ -335,3 +335,19 @@ def test_a_report_that_cannot_be_written_is_one_warning(run_dir, caplog):
         assert [writer.write(live=True) for _ in range(5)] + [writer.write(live=False)] == [None] * 6
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "report.html" in warnings[0].getMessage() and "polyrl view" in warnings[0].getMessage()
+
+
+def test_generation_files_are_read_in_bounded_amounts(tmp_path):
+    from polyrl.report import MAX_GEN_FILES, MAX_LINE
+
+    run = tmp_path / "many-validations"
+    val = run / "val_generations"
+    val.mkdir(parents=True)
+    for step in range(MAX_GEN_FILES + 50):
+        (val / f"{step}.jsonl").write_text(json.dumps({"prompt": "p", "response": "r", "score": 1.0}) + "\n")
+    # a line too long to show (a response of 2 MiB), then a good one
+    (val / f"{MAX_GEN_FILES + 49}.jsonl").write_text(json.dumps({"prompt": "x", "response": "y" * (2 * MAX_LINE)})
+                                                     + "\n" + json.dumps({"prompt": "kept", "score": 0.5}) + "\n")
+    gens = read_generations(run)
+    assert sorted(gens) == list(range(50, MAX_GEN_FILES + 50))  # the newest steps' files
+    assert [s["prompt"] for s in gens[MAX_GEN_FILES + 49]] == ["kept"]

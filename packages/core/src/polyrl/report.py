@@ -288,18 +288,32 @@ def generation_files(run_dir: str | Path, config_text: str | None = None) -> lis
     return list(found)
 
 
+#: Bytes read of one validation-generations file, and such files read (those of the newest steps first).
+MAX_GEN_FILE_BYTES = 64 << 20
+MAX_GEN_FILES = 200
+
+
 def read_generations(run_dir: str | Path, config_text: str | None = None) -> dict[int, list[dict[str, Any]]]:
     """Validation samples per step: ``{step: [{"prompt", "response", "score", ...extras}]}``.
 
     Tolerates verl's key names (``input``, ``output``) and rows without a ``step`` when the file name is
-    the step (``12.jsonl``); unreadable lines are skipped.
+    the step (``12.jsonl``); unreadable lines are skipped. Bounded: the first :data:`MAX_GEN_FILE_BYTES` of each
+    of at most :data:`MAX_GEN_FILES` files (the highest step numbers in their names), lines under
+    :data:`MAX_LINE`.
     """
-    steps: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for path in generation_files(run_dir, config_text):
+    def file_step(path: Path) -> int | None:
         digits = re.findall(r"\d+", path.stem)
-        file_step = int(digits[-1]) if digits else None
+        return int(digits[-1]) if digits else None
+
+    files = generation_files(run_dir, config_text)
+    if len(files) > MAX_GEN_FILES:
+        files = sorted(files, key=lambda p: (file_step(p) is not None, file_step(p) or 0), reverse=True)
+        files = files[:MAX_GEN_FILES]
+    steps: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for path in files:
+        named_step = file_step(path)
         try:
-            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+            lines = _bounded_lines(path, MAX_GEN_FILE_BYTES)
         except OSError:
             continue
         for line in lines:
@@ -309,11 +323,30 @@ def read_generations(run_dir: str | Path, config_text: str | None = None) -> dic
                 continue
             if not isinstance(row, dict):
                 continue
-            step = row.get("step", file_step)
+            step = row.get("step", named_step)
             if not isinstance(step, int) or row.get("kind", "validation") == "train":
                 continue
             steps[step].append(_sample(row))
     return dict(steps)
+
+
+def _bounded_lines(path: Path, budget: int) -> list[str]:
+    """The complete lines in the first ``budget`` bytes of ``path``, each under :data:`MAX_LINE` (longer ones
+    skipped)."""
+    out: list[str] = []
+    with open(path, "rb") as f:
+        while budget > 0:
+            line = f.readline(min(MAX_LINE, budget))
+            if not line:
+                break
+            budget -= len(line)
+            if line.endswith(b"\n") or len(line) < MAX_LINE:
+                out.append(line.decode("utf-8", errors="replace"))
+            else:  # a line too long to show: skip the rest of it
+                while line and not line.endswith(b"\n") and budget > 0:
+                    line = f.readline(min(MAX_LINE, budget))
+                    budget -= len(line)
+    return out
 
 
 def _sample(row: dict[str, Any]) -> dict[str, Any]:
