@@ -155,10 +155,18 @@ def check_manifest_on_nodes(manifest: Manifest | None, plugins: Any) -> None:
     task = ray.remote(_node_report)
     refs = [task.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
             .remote(manifest) for n in nodes]
-    reports = ray.get(refs, timeout=600)
+    reports = []
+    for node, ref in zip(nodes, refs, strict=True):
+        try:
+            reports.append(ray.get(ref, timeout=600))
+        except ray.exceptions.TaskUnschedulableError:  # the node died since Ray listed it: it runs no worker
+            logger.warning("node %s left the cluster during the manifest check; not checked", node.get("NodeName"))
+            reports.append(None)
     driver = {p["name"]: (p["distribution"], p["version"]) for p in plugins.describe()}
     problems = []
     for node, report in zip(nodes, reports, strict=True):
+        if report is None:
+            continue
         name = node.get("NodeName") or report["hostname"]
         label = f"node {name} (ip {report['node_ip']}, host {report['hostname']}, Ray node id {node['NodeID'][:12]})"
         if report["error"] is not None:

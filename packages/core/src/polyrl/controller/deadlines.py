@@ -58,6 +58,9 @@ class PhaseTimeoutError(PolyrlError, TimeoutError):
 class WorkerLostError(PolyrlError, RuntimeError):
     """A worker process (or its whole node) died while the driver waited for it."""
 
+    #: The Ray node id of the lost worker ('' when unknown).
+    node_id: str = ""
+
 
 class _DeadlinePassed(BaseException):
     """Raised inside a phase when its deadline passed; :func:`phase` turns it into :class:`PhaseTimeoutError`.
@@ -378,9 +381,11 @@ def _lost(p: Phase | None, owner: tuple[Any, int]) -> WorkerLostError:
     except Exception:
         pass
     during = f" during phase '{p.name}'" + (f" (role {p.role})" if p.role else "") if p is not None else ""
-    return WorkerLostError(
+    error = WorkerLostError(
         f"{describe_rank(group, rank)} on {node} was lost{during}: its process died. The last checkpoint is whole: "
         "run again to resume, or set trainer.max_restarts to resume by itself")
+    error.node_id = str(info.get("node_id") or "")
+    return error
 
 
 __all__ = ["PHASE_KINDS", "Phase", "PhaseTimeoutError", "WorkerLostError", "collect_stacks",

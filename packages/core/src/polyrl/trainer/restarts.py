@@ -25,6 +25,8 @@ log = logging.getLogger("polyrl")
 
 #: Seconds between two looks at the cluster's resources while waiting for the layout.
 POLL_S = 1.0
+#: Seconds a node listed as alive has to run a small task before it counts as gone.
+PROBE_S = 30.0
 
 
 def fit_with_restarts(make_trainer: Callable[[int], Any]) -> dict[str, float]:
@@ -41,14 +43,44 @@ def fit_with_restarts(make_trainer: Callable[[int], Any]) -> dict[str, float]:
                 raise
             attempt += 1
             log.warning("restart %d of %d (trainer.max_restarts): %s", attempt, limit, exc)
-            wait_for_layout(trainer)
+            wait_for_layout(trainer, lost_node=exc.node_id)
             trainer = make_trainer(attempt)
 
 
-def wait_for_layout(trainer: Any) -> None:
+def _node_answers(node_id: str, timeout_s: float) -> bool:
+    """Whether a small task runs on node ``node_id`` within ``timeout_s`` (Ray lists a node that died as alive
+    until its health checks fail, tens of seconds later)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ref = ray.remote(lambda: True).options(
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+    try:
+        return bool(ray.get(ref, timeout=timeout_s))
+    except Exception:
+        ray.cancel(ref, force=True)
+        return False
+
+
+def _alive_resources(gone: set[str]) -> tuple[dict[str, float], int]:
+    """The summed resources of the nodes Ray lists as alive, less those in ``gone``; and how many nodes that is."""
+    import ray
+
+    total: dict[str, float] = {}
+    count = 0
+    for node in ray.nodes():
+        if node.get("Alive") and node.get("NodeID") not in gone:
+            count += 1
+            for key, value in (node.get("Resources") or {}).items():
+                total[key] = total.get(key, 0.0) + float(value)
+    return total, count
+
+
+def wait_for_layout(trainer: Any, lost_node: str = "") -> None:
     """Wait up to ``trainer.restart_wait_s`` until the Ray cluster the run joins has the resources of its pools
     again (nothing to wait for with a local Ray: a new one starts); raise :class:`ConfigError` saying what is
-    missing when it does not."""
+    missing when it does not. ``lost_node``: the node of the lost worker; while Ray still lists it as alive it
+    counts only if a task runs there."""
     from polyrl.controller.cluster import cluster_address
 
     cfg = trainer.config
@@ -70,10 +102,14 @@ def wait_for_layout(trainer: Any) -> None:
         check_reachable(address)
         ray.init(address=address, logging_level=logging.WARNING)
     try:
+        gone: set[str] = set()
         while True:
+            listed = lost_node and any(n.get("NodeID") == lost_node and n.get("Alive") for n in ray.nodes())
+            if listed and lost_node not in gone and not _node_answers(lost_node, PROBE_S):
+                gone.add(lost_node)  # dead, whatever Ray lists for now
+            resources, alive = _alive_resources(gone)
             try:
-                check_pools_fit(trainer.placement, ray.cluster_resources(), accelerator)
-                alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+                check_pools_fit(trainer.placement, resources, accelerator)
                 log.info("the cluster offers the run's layout again (%d node(s) alive): restarting", alive)
                 return
             except ConfigError as exc:

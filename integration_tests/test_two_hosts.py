@@ -1,0 +1,110 @@
+"""Two real hosts (network namespaces with their own addresses, :mod:`two_hosts`), Ray started on them as
+docs/cluster.md says, ``polyrl train`` run on the head host against ``trainer.ray_address``.
+
+The actor's worker group spans both hosts (``trainer.placement_strategy=STRICT_SPREAD``: its gloo rendezvous is on
+a namespace address, never loopback) and the rollout pool sits on the second host (host ``b`` has the only CPU
+left), so weights travel between pools over the link. The metrics equal a one-host run's at the same seed, step
+for step. Then the second host is lost: every process in its namespace SIGKILLed in the middle of a step.
+Skipped (one line) where network namespaces are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from two_hosts import TwoHosts, namespaces_refused
+
+KEYS = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean")
+LAYOUT = ["trainer.executor=ray", "trainer.n_workers=2", "trainer.placement=split", "trainer.rollout_workers=1"]
+
+
+@pytest.fixture(scope="module")
+def refused() -> None:
+    why = namespaces_refused()
+    if why:
+        pytest.skip(f"two-host tests need network namespaces: {why}")
+
+
+def _args(base_overrides: list[str], manifest: Path, run: Path, steps: int) -> list[str]:
+    common = [o for o in base_overrides if not o.startswith(("trainer.run_dir", "trainer.total_steps"))]
+    return [sys.executable, "-m", "polyrl", "train", "--manifest", str(manifest), *common, *LAYOUT,
+            f"trainer.total_steps={steps}", "trainer.save_freq=1", "trainer.val_before_train=false",
+            "trainer.max_checkpoints=0", f"trainer.run_dir={run}"]
+
+
+def _rows(run: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r for r in rows if "critic/score/mean" in r}
+
+
+@pytest.mark.timeout(420)
+def test_a_run_over_two_hosts_logs_the_metrics_of_a_one_host_run(refused, base_overrides, manifest_file, tmp_path):
+    import subprocess
+
+    one = tmp_path / "one_host"
+    one_host = subprocess.Popen(_args(base_overrides, manifest_file, one, 2) + ["trainer.ray_num_cpus=3"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with TwoHosts(tmp_path / "hosts", cpus=(1, 2)) as hosts:
+            two = tmp_path / "two_hosts"
+            proc = hosts.start("a", _args(base_overrides, manifest_file, two, 2) + [
+                f"trainer.ray_address={hosts.head}", "trainer.placement_strategy=STRICT_SPREAD"])
+            _, err = proc.communicate(timeout=360)
+            assert proc.returncode == 0, err[-3000:]
+        _, err_one = one_host.communicate(timeout=360)
+        assert one_host.returncode == 0, err_one[-3000:]
+    finally:
+        if one_host.poll() is None:
+            one_host.kill()
+    log = (two / "train.log").read_text()
+    a, b = hosts.ip["a"], hosts.ip["b"]
+    # the actor's ranks met on a namespace address, one rank on each host; the rollout sits on host b
+    assert re.search(rf"rendezvous of 2 ranks over 2 node\(s\) at ({re.escape(a)}|{re.escape(b)}):\d+", log), log[-3000:]
+    actor = dict(re.findall(r"worker group 'actor': rank (\d) is pid \d+ on host \S+ \(([\d.]+)\)", log))
+    assert set(actor.values()) == {a, b}, actor
+    assert re.search(rf"worker group 'rollout': rank 0 is pid \d+ on host \S+ \({re.escape(b)}\)", log)
+    # loopback only for a group on one node (the rollout's own); a group over both hosts meets on their link
+    for nodes, address in re.findall(r"rendezvous of \d+ ranks over (\d) node\(s\) at ([\d.]+):", log):
+        assert address in ((a, b) if nodes == "2" else (a, b, "127.0.0.1")), (nodes, address)
+    if actor["0"] == a:  # actor rank 0 (the weights' sender) on host a: the weight-transfer group spans the hosts
+        assert len(re.findall(r"rendezvous of 2 ranks over 2 node", log)) == 2, log[-3000:]
+    x, y = _rows(one), _rows(two)
+    assert sorted(y) == [1, 2]
+    for step in (1, 2):
+        for key in KEYS:
+            assert y[step][key] == pytest.approx(x[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
+@pytest.mark.timeout(420)
+def test_a_lost_host_stops_the_run_with_one_line_and_a_layout_that_does_not_come_back(refused, base_overrides,
+                                                                                    manifest_file, tmp_path):
+    """Every process of host b SIGKILLed mid-step; ``max_restarts=1`` waits ``restart_wait_s`` for the layout,
+    which cannot come back (host b is gone): one warning naming the lost node, then one error line saying what
+    is missing. The last checkpoint is whole."""
+    run = tmp_path / "run"
+    with TwoHosts(tmp_path / "hosts", cpus=(1, 2)) as hosts:
+        proc = hosts.start("a", _args(base_overrides, manifest_file, run, 3) + [
+            f"trainer.ray_address={hosts.head}", "trainer.placement_strategy=STRICT_SPREAD",
+            "trainer.phase_timeout_s=120", "trainer.max_restarts=1", "trainer.restart_wait_s=5"])
+        pointer = run / "checkpoints" / "latest"
+        deadline = time.monotonic() + 300
+        while not (pointer.exists() and pointer.read_text().strip() == "step_1"):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        assert hosts.kill_host("b") > 0
+        lost_at = time.monotonic()
+        _, err = proc.communicate(timeout=240)
+        took = time.monotonic() - lost_at
+    errors = [x for x in err.splitlines() if x.startswith("polyrl train: error")]
+    assert proc.returncode == 2 and len(errors) == 1, err[-3000:]
+    warning = next(x for x in err.splitlines() if "restart 1 of 1 (trainer.max_restarts)" in x)
+    assert f"on node {hosts.ip['b']}" in warning and "was lost" in warning, warning
+    assert "the run's layout cannot be placed again after waiting 5 s" in errors[0], errors[0]
+    assert "the cluster has 1 CPU" in errors[0], errors[0]
+    assert took < 120 + 60, took
+    assert pointer.read_text().strip() == "step_1"
