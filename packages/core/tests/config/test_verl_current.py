@@ -139,6 +139,15 @@ def test_model_engine_in_a_file_or_its_defaults_list_picks_the_trees(tmp_path):
         load_with_origins(PolyrlConfig, [tmp_path / "veomni.yaml"], BASE, config_format="verl", strict_plugins=False)
 
 
+def test_a_native_config_with_verls_newer_top_level_keys_is_told_to_use_verls_layout():
+    from polyrl.config import loader, verl
+
+    assert set(verl.VERL_ONLY) == loader._VERL_TOP
+    with pytest.raises(ConfigError, match="key of verl's layout"):
+        load_with_origins(PolyrlConfig, [], ["+distillation.enabled=true"], config_format="native",
+                          strict_plugins=False)
+
+
 def test_hydra_escapes_in_unquoted_values():
     value = parse_override(r"+a.plan={model.layers.\{*\}:{},lm_head:{}}").value
     assert value == {"model.layers.{*}": {}, "lm_head": {}}

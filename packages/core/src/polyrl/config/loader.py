@@ -36,7 +36,8 @@ _PLUGIN_BLOCKS = {"actor": ("engine", "engine"), "critic": ("engine", "engine"),
 _INTERNAL_KEYS = frozenset({"plugin_config"})
 #: Top-level keys of verl's layout (polyrl.config.verl.VERL_ONLY), named in the unknown-key error.
 _VERL_TOP = frozenset({"actor_rollout_ref", "custom_reward_function", "reward_model", "reward_manager",
-                       "global_profiler", "transfer_queue", "ray_kwargs"})
+                       "global_profiler", "transfer_queue", "ray_kwargs", "distillation", "sandbox_fusion",
+                       "model_engine"})
 #: ``--config-format`` choices.
 CONFIG_FORMATS = ("auto", "native", "verl")
 
