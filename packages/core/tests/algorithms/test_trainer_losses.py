@@ -150,12 +150,13 @@ def test_sum_pi_squared_keeps_the_logits_dtype(dtype):
     """verl's calculate_sum_pi_squared_from_logits returns the input's dtype; float64 keeps float64's precision."""
     from polyrl.algorithms import torch_functional as verl_F
 
-    logits = (torch.randn(3, 5, 11, dtype=torch.float64) * 4).to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 5, 11, dtype=torch.float64, generator=gen) * 4).to(dtype)
     out = verl_F.calculate_sum_pi_squared_from_logits(logits)
     assert out.dtype == dtype and out.shape == (3, 5)
     exact = torch.softmax(logits.double(), -1).square().sum(-1)
-    tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
-    assert torch.allclose(out.double(), exact, atol=tol, rtol=0)
+    rtol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]  # float32: 6e-8 x logsumexp ~ 24
+    assert torch.allclose(out.double(), exact, atol=0, rtol=rtol)
 
 
 def test_kl_loss_ignores_nan_in_padding():
