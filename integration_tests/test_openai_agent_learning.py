@@ -12,7 +12,8 @@ of 1 prompt), lr 1e-2, 12 steps, ``polyrl train`` with the local executor.
 
 Measured (2 shared CPU cores, 2026-12, ``trainer.seed=1``), the rule's mean per step:
 treatment 0.04 0.05 0.05 0.06 0.10 0.22 0.27 0.40 0.46 0.61 0.77 0.86; control 0.03 0.01 0.00 0.02 0.05 0.04
-0.05 0.07 0.02 0.00 0.00 0.02. With one update a step (a mini-batch of all 4 prompts) it learnt too, slower
+0.05 0.07 0.02 0.00 0.00 0.02; a second run (the order in which concurrent requests batch varies, so the samples
+do too): treatment 0.03 ... 0.16 0.22 0.42 0.55, control 0.02-0.06 throughout. With one update a step (a mini-batch of all 4 prompts) it learnt too, slower
 (0.03 -> 0.19 in 12 steps). Each run about 45 s on the loaded machine (28 s of CPU for both).
 """
 
@@ -94,5 +95,6 @@ def test_an_openai_client_program_learns_and_its_control_does_not(tmp_path, tiny
     print("digits per step, treatment:", [round(v, 2) for v in learned])
     print("digits per step, control:  ", [round(v, 2) for v in control])
     assert learned[0] < 0.2 and control[0] < 0.2
-    assert sum(learned[-3:]) / 3 > learned[0] + 0.3, learned
-    assert sum(control[-3:]) / 3 < control[0] + 0.1, control
+    learned_end, control_end = sum(learned[-3:]) / 3, sum(control[-3:]) / 3
+    assert learned_end > learned[0] + 0.2 and learned_end > control_end + 0.2, (learned, control)
+    assert control_end < control[0] + 0.1, control
