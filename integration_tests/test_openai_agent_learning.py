@@ -5,7 +5,7 @@ The program (``PROGRAM`` below, written to a file and named by ``agent.openai_ag
 chat: it asks the question, then says "Again." and asks for a second answer (the second call continues the
 first one's tokens: the episode is one merged sample with both answers trained). Its reward is the recipes'
 learning tests' rule, averaged over the two answers: the fraction of digits among an answer's first 6
-characters. The control program returns a pseudo-random number from the row's id instead. Both log the rule's
+characters. The control program returns ``random.random()`` instead. Both log the rule's
 value of each episode, which is what the test compares. The policy is the random-init tiny model (about 0.04
 of its characters are digits); GRPO, 4 prompts x 4 samples a step, one update per prompt's group (mini-batch
 of 1 prompt), lr 1e-2, 12 steps, ``polyrl train`` with the local executor.
@@ -13,8 +13,8 @@ of 1 prompt), lr 1e-2, 12 steps, ``polyrl train`` with the local executor.
 Measured (2 shared CPU cores, 2026-12, ``trainer.seed=1``), the rule's mean per step:
 treatment 0.04 0.05 0.05 0.06 0.10 0.22 0.27 0.40 0.46 0.61 0.77 0.86; control 0.03 0.01 0.00 0.02 0.05 0.04
 0.05 0.07 0.02 0.00 0.00 0.02; a second run (the order in which concurrent requests batch varies, so the samples
-do too): treatment 0.03 ... 0.16 0.22 0.42 0.55, control 0.02-0.06 throughout. With one update a step (a mini-batch of all 4 prompts) it learnt too, slower
-(0.03 -> 0.19 in 12 steps). Each run about 45 s on the loaded machine (28 s of CPU for both).
+do too): treatment 0.03 ... 0.16 0.22 0.42 0.55, control 0.02-0.06 throughout. With one update a step (a
+mini-batch of all 4 prompts) it learnt too, slower (0.03 -> 0.19 in 12 steps). Each run about 45 s on the loaded machine (28 s of CPU for both).
 """
 
 from __future__ import annotations
