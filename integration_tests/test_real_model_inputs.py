@@ -34,12 +34,13 @@ def _one_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-@pytest.mark.timeout(300)  # about 40 s on 2 quiet cores
+@pytest.mark.timeout(400)  # about 60 s on 2 quiet cores
 def test_a_gguf_model_path_trains_and_every_role_loads_its_converted_folder(real_model_gguf, real_model_dir,  # noqa: F811
                                                                             base_overrides, manifest_file, tmp_path,
                                                                             monkeypatch):
     """``model.path=SmolLM2-135M-Instruct.Q4_1.gguf``: one GRPO step of the real model (actor, rollout and reference
-    load the folder converted from the file), and the run's config records that folder."""
+    load the folder converted from the file), and the run's config records that folder; then its checkpoint
+    exported and served (``polyrl serve RUN``) answers the ``openai`` client through the model's chat template."""
     monkeypatch.setenv("POLYRL_CACHE_DIR", str(tmp_path / "cache"))
     cached = tmp_path / "cache" / "gguf" / f"{real_model_gguf.stem}-{file_sha256(real_model_gguf)[:12]}"
     cached.parent.mkdir(parents=True)
@@ -48,12 +49,52 @@ def test_a_gguf_model_path_trains_and_every_role_loads_its_converted_folder(real
         f"model.path={real_model_gguf}", "trainer.executor=local", "trainer.total_steps=1", "data.train_batch_size=2",
         "rollout.n=2", "data.max_prompt_length=64", "data.max_response_length=4", "actor.ppo_mini_batch_size=2",
         "actor.use_kl_loss=true", "ref.enable=true", "trainer.val_before_train=false", "trainer.test_freq=0",
-        "trainer.save_freq=0", "actor.optim.lr=1e-6"])
+        "trainer.save_freq=1", "actor.optim.lr=1e-6"])
     assert metrics
     config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert config["actor"]["model"]["path"] == str(cached) and config["actor"]["model"]["gguf_file"] is None
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any("actor/pg_loss" in r for r in rows)
+    _serve_answers(tmp_path / "run")
+
+
+def _serve_answers(run) -> None:
+    """``polyrl serve RUN --backend hf`` (the newest checkpoint, exported on the fly) and the ``openai`` client."""
+    import signal
+    import socket
+    import time
+
+    openai = pytest.importorskip("openai")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen([sys.executable, "-m", "polyrl", "serve", str(run), "--backend", "hf", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        deadline = time.time() + 240
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                name = client.models.list().data[0].id
+                break
+            except openai.APIConnectionError:
+                assert time.time() < deadline, "polyrl serve did not come up"
+                time.sleep(0.5)
+        chat = client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "What is 7+8? Answer with the number only."}],
+            max_tokens=12, temperature=0)
+        answer = chat.choices[0].message.content
+        assert "15" in answer and "<|im_end|>" not in answer, answer  # one step at lr 1e-6 leaves the answer as it was
+        assert chat.choices[0].finish_reason == "stop"  # ended at <|im_end|>, the model's end of turn
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and "Traceback" not in err, err
 
 
 def test_a_truncated_gguf_stops_train_in_one_line(real_model_gguf, base_overrides, manifest_file, tmp_path):  # noqa: F811
