@@ -3,18 +3,22 @@
 A random tiny model cannot write ``<action>up</action>``, so the environment here is a plugin (loaded through the
 manifest's ``modules``) that takes any text: three steps through shared states ``at 0 -> at 1 -> at 2``, a reward
 of 1 for a step whose text has an even length. Every step is its own sample; GiGPO groups the steps taken from the
-same state across the 4 episodes of a prompt.
+same state across the 4 episodes of a prompt. A second one is a learning check: GiGPO against a shuffled-reward
+control on a corridor whose rewarded move starts as the tiny model's minority choice.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
 from polyrl.trainer.commands import train
 
 ENV_PLUGIN = '''
+import random
+
 from polyrl import hookimpl
 
 
@@ -31,9 +35,34 @@ class Corridor:
         return self.t
 
 
+class ParityCorridor:
+    """Cells 0..3; a text whose first character has an even code moves right (the tiny model's initial minority: about
+    1 in 4), else left. Reward 1 for each move right (with `shuffled`, a coin flip each move: the control). The
+    episode ends at cell 3 (a success) or after 5 moves."""
+
+    def __init__(self, shuffled):
+        self.shuffled = shuffled
+
+    def reset(self, seed, row):
+        self.t, self.pos, self.rng = 0, 0, random.Random(seed * 7919 + 1)
+        return f"at {self.pos}"
+
+    def step(self, action):
+        self.t += 1
+        right = ord(action[0]) % 2 == 0
+        self.pos = self.pos + 1 if right else max(0, self.pos - 1)
+        won = self.pos >= 3
+        reward = float(self.rng.random() < 0.5) if self.shuffled else float(right)
+        return f"at {self.pos}", reward, won or self.t >= 5, {"success": won}
+
+    def state_key(self):
+        return self.pos
+
+
 @hookimpl
 def register_environments(register):
     register("corridor", lambda config: Corridor())
+    register("parity_corridor", lambda config: ParityCorridor(bool(config.get("shuffled"))))
 '''
 
 
@@ -87,3 +116,41 @@ def test_gigpo_trains_on_step_rows(tiny_model, tmp_path, monkeypatch):
         assert len({p["uid"] for p in parts}) == 1
         assert [p["prompt"].count("at ") for p in parts] == sorted(p["prompt"].count("at ") for p in parts)
     assert any(abs(d["advantage"]) > 0 for d in dumped)
+
+
+def _learning_run(tiny_model, root, shuffled: bool) -> list[float]:
+    from polyrl.data.synthetic import write_jsonl
+
+    rows = [{"prompt": [{"role": "user", "content": "Walk."}], "data_source": "env/parity_corridor",
+             "agent_name": "stepwise",
+             "extra_info": {"env": "parity_corridor", "env_kwargs": {"shuffled": shuffled}, "seed": i,
+                            "action_pattern": "", "history_k": 0, "max_steps": 6}} for i in range(64)]
+    write_jsonl(rows, root / "train.jsonl")
+    run = root / f"run-{shuffled}"
+    train(root / "polyrl.toml", [], [
+        f"model.path={tiny_model}", f"data.train_files=[{root / 'train.jsonl'}]", "data.train_batch_size=4",
+        "data.max_prompt_length=48", "data.max_response_length=2", "actor.engine=fsdp", "actor.ppo_mini_batch_size=4",
+        "actor.micro_batch_size=64", "actor.optim.lr=1e-2", "actor.optim.weight_decay=0.0", "rollout.n=4",
+        "algorithm.adv_estimator=gigpo", "algorithm.gamma=1.0", "trainer.executor=local", "trainer.total_steps=20",
+        "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.val_before_train=false", "trainer.seed=1",
+        "data.seed=1", f"trainer.run_dir={run}"])
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["env/success_rate"] for r in metrics if "env/success_rate" in r]
+
+
+@pytest.mark.timeout(300)
+def test_gigpo_raises_success_against_a_shuffled_reward_control(tiny_model, tmp_path, monkeypatch):
+    """The tiny model learns to walk right (to start its text with an even character, about 1 in 4 of its first
+    characters before training) with GiGPO; with rewards that ignore what it did (a coin flip each move: the
+    shuffled-reward control) it does not (its policy drifts, if anywhere, towards its majority: left)."""
+    (tmp_path / "corridor_env.py").write_text(ENV_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "polyrl.toml").write_text('[plugins]\nrequire = ["polyrl-engine-fsdp>=0.1,<0.2"]\n'
+                                          'modules = ["corridor_env"]\n')
+    learned = _learning_run(tiny_model, tmp_path, shuffled=False)
+    control = _learning_run(tiny_model, tmp_path, shuffled=True)
+    print("success per step: gigpo", learned, "control", control)
+    assert len(learned) == len(control) == 20
+    late = statistics.mean(learned[-5:])
+    assert late >= statistics.mean(learned[:5]) + 0.3, learned
+    assert late >= statistics.mean(control[-5:]) + 0.3, (learned, control)
