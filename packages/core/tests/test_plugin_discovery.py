@@ -36,6 +36,10 @@ def test_an_unknown_name_names_the_installed_plugin_the_manifest_leaves_out(mani
     with pytest.raises(RegistryError) as err:  # a name no installed plugin has: no such sentence
         pm.get("advantage_estimator", "sing_never_registered")
     assert "provides it" not in str(err.value)
+    blocked = Manifest(require=("polyrl-engine-fsdp",), block=("polyrl-example",), source="b.toml")
+    with pytest.raises(RegistryError) as err:  # a blocked plugin is not imported, not even for the hint
+        PluginManager(blocked).get("advantage_estimator", "sign")
+    assert "provides it" not in str(err.value)
     # the fix the message names works
     assert PluginManager(Manifest(require=("polyrl-engine-fsdp", "polyrl-example"))).get("advantage_estimator", "sign")
 

@@ -112,29 +112,24 @@ class PluginManager:
             self.add_plugin(module, PluginInfo(ep.name, dist, version, ep.module))
 
     def unloaded_providers(self, kind: str, name: str | None = None, *, data_source: str | None = None) -> str:
-        """For an error about a name no loaded plugin registers: which installed plugin that this manifest leaves
-        out (not required, or blocked) registers ``kind`` ``name`` (or, with ``data_source``, a reward function for
-        that data source), as one sentence saying what to change in the manifest; ``""`` when none does.
+        """For an error about a name no loaded plugin registers: which installed plugin that this manifest does not
+        require registers ``kind`` ``name`` (or, with ``data_source``, a reward function for that data source), as one
+        sentence saying what to add to the manifest; ``""`` when none does.
 
-        Only called on that error path: it imports the hook modules of the plugins left out (cheap by design,
-        DESIGN.md) and runs their registration hook against a throw-away register."""
+        Only called on that error path: it imports the hook modules of the plugins not required (cheap by design,
+        DESIGN.md) and runs their registration hook against a throw-away register. Blocked plugins are not
+        imported (the manifest said not to load them)."""
         if self.manifest is None:
             return ""  # every installed plugin is loaded
         where = self.manifest.source or "your manifest"
         loaded = {info.distribution for info in self.plugins.values()}
-        found: list[tuple[str, bool]] = []
         for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
             dist = ep.dist.name if ep.dist is not None else None
-            if dist is None or dist in loaded or any(d == dist for d, _ in found):
+            if dist is None or dist in loaded or self.manifest.is_blocked(ep.name, dist, ep.module):
                 continue
             if _registers(ep, HOOK_FOR_KIND[kind], name, data_source):
-                found.append((dist, self.manifest.is_blocked(ep.name, dist, ep.module)))
-        if not found:
-            return ""
-        dist, blocked = found[0]
-        if blocked:
-            return f"installed {dist} provides it, but {where} blocks it: remove it from [plugins].block."
-        return f"installed {dist} provides it: add it to [plugins].require in {where}."
+                return f"installed {dist} provides it: add it to [plugins].require in {where}."
+        return ""
 
     def add_plugin(self, plugin: ModuleType | object, info: PluginInfo) -> None:
         """Register ``plugin`` (a hooks module or object) and collect its registrations."""
