@@ -86,7 +86,8 @@ def test_model_blocks_naming_a_gguf_point_at_its_converted_folder(real_model_ggu
         check_model_paths(missing, "actor.model")
 
 
-def test_a_truncated_gguf_is_one_line_naming_the_key(real_model_gguf, tmp_path, capsys):
+def test_a_truncated_gguf_is_one_line_naming_the_key(real_model_gguf, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("POLYRL_CACHE_DIR", str(tmp_path / "cache"))
     cut = tmp_path / "cut.gguf"
     with open(real_model_gguf, "rb") as src, open(cut, "wb") as dst:
         dst.write(src.read(SMOLLM2.gguf_size // 2))
@@ -115,7 +116,8 @@ def _write_gguf(path: Path, arch: str) -> None:
     writer.close()
 
 
-def test_an_architecture_transformers_cannot_dequantize_is_refused_with_the_list(tmp_path):
+def test_an_architecture_transformers_cannot_dequantize_is_refused_with_the_list(tmp_path, monkeypatch):
+    monkeypatch.setenv("POLYRL_CACHE_DIR", str(tmp_path / "cache"))
     rwkv = tmp_path / "rwkv.gguf"
     _write_gguf(rwkv, "rwkv6")
     assert "rwkv6" not in supported_architectures() and "llama" in supported_architectures()
@@ -130,7 +132,8 @@ def test_an_architecture_transformers_cannot_dequantize_is_refused_with_the_list
     assert inspect_gguf(llama).architecture == "llama"  # a supported architecture passes the header check
 
 
-def test_a_file_that_is_not_gguf(tmp_path):
+def test_a_file_that_is_not_gguf(tmp_path, monkeypatch):
+    monkeypatch.setenv("POLYRL_CACHE_DIR", str(tmp_path / "cache"))
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"PK\x03\x04 not a gguf")
     with pytest.raises(ConfigError, match=r"^reward_model\.model\.path=.*model\.gguf is not a GGUF file"):
@@ -141,3 +144,14 @@ def test_models_convert_usage(capsys):
     with pytest.raises(SystemExit):
         main(["models", "convert", "x.gguf"])  # --to is required
     assert "--to" in capsys.readouterr().err
+
+
+def test_without_the_gguf_package_a_gguf_path_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    llama = tmp_path / "llama.gguf"
+    _write_gguf(llama, "llama")
+    monkeypatch.setenv("POLYRL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setitem(sys.modules, "gguf", None)  # what Python does for a module that is not installed
+    with pytest.raises(ConfigError, match=r"^actor\.model\.path=.*needs the 'gguf' package: pip install 'polyrl\[gguf\]'$"):
+        check_model_paths(OmegaConf.structured(ModelConfig(path=str(llama))), "actor.model")

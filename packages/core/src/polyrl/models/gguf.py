@@ -84,7 +84,7 @@ def inspect_gguf(path: str | Path, key: str = "FILE") -> GGUFInfo:
     path = Path(path).expanduser()
     if not path.is_file():
         raise ConfigError(f"{key}={path}: no such GGUF file")
-    _require_gguf_package(key)
+    _require_gguf_package(key, path)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
@@ -119,11 +119,12 @@ def inspect_gguf(path: str | Path, key: str = "FILE") -> GGUFInfo:
                     len(reader.tensors))
 
 
-def _require_gguf_package(key: str) -> None:
+def _require_gguf_package(key: str, path: Path) -> None:
     try:
         import gguf  # noqa: F401
     except ImportError:
-        raise ConfigError(f"{key}: reading a GGUF file needs the 'gguf' package: pip install 'polyrl[gguf]'") from None
+        raise ConfigError(f"{key}={path}: reading a GGUF file needs the 'gguf' package: pip install 'polyrl[gguf]'"
+                          ) from None
 
 
 def file_sha256(path: str | Path) -> str:
