@@ -108,3 +108,44 @@ def test_a_lost_host_stops_the_run_with_one_line_and_a_layout_that_does_not_come
     assert "the cluster has 1 CPU" in errors[0], errors[0]
     assert took < 120 + 60, took
     assert pointer.read_text().strip() == "step_1"
+
+
+@pytest.mark.timeout(480)
+def test_a_lost_host_that_comes_back_resumes_by_itself_with_an_uninterrupted_runs_history(
+        refused, base_overrides, manifest_file, tmp_path):
+    """Host b's processes SIGKILLed mid-step, then ``ray start --address`` on host b again (a replacement
+    machine): with ``max_restarts=1`` the driver waits for the layout, resumes from the last checkpoint by itself,
+    and the history equals a one-host run's at the same seed, each step once."""
+    import subprocess
+
+    one = tmp_path / "one_host"
+    one_host = subprocess.Popen(_args(base_overrides, manifest_file, one, 3) + ["trainer.ray_num_cpus=3"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = tmp_path / "run"
+    try:
+        with TwoHosts(tmp_path / "hosts", cpus=(1, 2)) as hosts:
+            proc = hosts.start("a", _args(base_overrides, manifest_file, run, 3) + [
+                f"trainer.ray_address={hosts.head}", "trainer.placement_strategy=STRICT_SPREAD",
+                "trainer.phase_timeout_s=120", "trainer.max_restarts=1", "trainer.restart_wait_s=240"])
+            pointer = run / "checkpoints" / "latest"
+            deadline = time.monotonic() + 300
+            while not (pointer.exists() and pointer.read_text().strip() == "step_1"):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+                time.sleep(0.05)
+            assert hosts.kill_host("b") > 0
+            hosts.join("b")  # the replacement host joins the cluster
+            _, err = proc.communicate(timeout=400)
+        _, err_one = one_host.communicate(timeout=300)
+    finally:
+        if one_host.poll() is None:
+            one_host.kill()
+    assert one_host.returncode == 0, err_one[-3000:]
+    assert proc.returncode == 0, err[-3000:]
+    assert "restart 1 of 1 (trainer.max_restarts)" in err and f"on node {hosts.ip['b']}" in err, err[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r["step"] for r in rows if "critic/score/mean" in r]
+    assert steps == [1, 2, 3], steps  # each step once: the lost attempt's step 2 was not logged, or was dropped
+    x, y = _rows(one), _rows(run)
+    for step in (1, 2, 3):
+        for key in KEYS:
+            assert y[step][key] == pytest.approx(x[step][key], rel=1e-4, abs=1e-6), (step, key)

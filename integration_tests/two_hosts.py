@@ -54,6 +54,7 @@ class TwoHosts:
         # Ray's socket paths must stay short (107 bytes)
         self.temp = {h: Path(f"/tmp/p49{h}{tag}") for h in "ab"}
         self.head = f"{self.ip['a']}:6379"
+        self.old_temps: list[Path] = []
         self.env = dict(os.environ, RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=IFNAME,
                         TOKENIZERS_PARALLELISM="false", PATH=f"{BIN}:{os.environ.get('PATH', '')}",
                         # the machine's memory is shared with whatever else runs here: Ray's monitor would kill
@@ -87,13 +88,21 @@ class TwoHosts:
             _ip("-n", self.ns[h], "link", "set", "lo", "up")
 
     def _start_ray(self) -> None:
-        common = ["--disable-usage-stats", "--include-dashboard=false"]
         self.check("a", ["ray", "start", "--head", "--port=6379", f"--node-ip-address={self.ip['a']}",
-                         f"--num-cpus={self.cpus['a']}", "--num-gpus=0", f"--temp-dir={self.temp['a']}", *common[:1],
-                         "--include-dashboard=false"])
-        self.check("b", ["ray", "start", f"--address={self.head}", f"--node-ip-address={self.ip['b']}",
-                         f"--num-cpus={self.cpus['b']}", "--num-gpus=0", f"--temp-dir={self.temp['b']}", *common[:1]])
+                         f"--num-cpus={self.cpus['a']}", "--num-gpus=0", f"--temp-dir={self.temp['a']}",
+                         "--disable-usage-stats", "--include-dashboard=false"])
+        self.join("b")
         self.wait_nodes(2)
+
+    def join(self, host: str) -> None:
+        """``ray start --address=HEAD:6379`` on ``host`` (again, after :meth:`kill_host`: a fresh temp dir)."""
+        temp = self.temp[host]
+        if temp.exists():  # the killed node's files stay behind, as on a machine that rebooted
+            temp = self.temp[host] = Path(f"{temp}r")
+            self.old_temps.append(temp)
+        self.check(host, ["ray", "start", f"--address={self.head}", f"--node-ip-address={self.ip[host]}",
+                          f"--num-cpus={self.cpus[host]}", "--num-gpus=0", f"--temp-dir={temp}",
+                          "--disable-usage-stats"])
 
     def wait_nodes(self, count: int, timeout: float = 60) -> None:
         """Until the head counts ``count`` alive nodes."""
@@ -109,6 +118,9 @@ class TwoHosts:
         for h in "ab":
             _ip("netns", "del", self.ns[h], check=False)
             shutil.rmtree(self.temp[h], ignore_errors=True)
+        for temp in self.old_temps:
+            shutil.rmtree(temp, ignore_errors=True)
+            shutil.rmtree(str(temp)[:-1], ignore_errors=True)
 
     # ------------------------------------------------------------------ processes on a host
     def command(self, host: str, argv: list[str]) -> list[str]:
