@@ -280,3 +280,11 @@ def test_one_row_per_sample_needs_no_step_index():
     assert sample_of_rows(batch, 3) is None
     with pytest.raises(ValueError, match="4 samples"):
         sample_of_rows(batch, 4)
+
+
+def test_a_step_index_that_is_not_one_per_row_is_not_read_as_steps():
+    """A diffusion rollout's ``step_index`` is ``[rows, T]`` (its sampler's steps): one row per sample, as usual."""
+    from tensordict import TensorDict
+
+    batch = TensorDict({"step_index": torch.arange(12).view(3, 4)}, batch_size=[3])
+    assert sample_of_rows(batch, 3) is None
