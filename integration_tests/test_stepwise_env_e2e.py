@@ -1,4 +1,5 @@
-"""The stepwise agent loop end to end: the real trainer, the hf rollout, a tiny model, GiGPO over step rows.
+"""The stepwise agent loop end to end: the real trainer (two Ray workers), the hf rollout, a tiny model, GiGPO over
+step rows.
 
 A random tiny model cannot write ``<action>up</action>``, so the environment here is a plugin (loaded through the
 manifest's ``modules``) that takes any text: three steps through shared states ``at 0 -> at 1 -> at 2``, a reward
@@ -10,6 +11,7 @@ control on a corridor whose rewarded move starts as the tiny model's minority ch
 from __future__ import annotations
 
 import json
+import os
 import statistics
 
 import pytest
@@ -68,10 +70,12 @@ def register_environments(register):
 
 @pytest.mark.timeout(180)
 def test_gigpo_trains_on_step_rows(tiny_model, tmp_path, monkeypatch):
+    """Two Ray workers: each generates its share of the episodes; the driver joins their step rows."""
     from polyrl.data.synthetic import write_jsonl
 
     (tmp_path / "corridor_env.py").write_text(ENV_PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))  # workers
     manifest = tmp_path / "polyrl.toml"
     manifest.write_text('[plugins]\nrequire = ["polyrl-engine-fsdp>=0.1,<0.2"]\nmodules = ["corridor_env"]\n')
     rows = [{"prompt": [{"role": "user", "content": "Walk."}], "data_source": "env/corridor", "agent_name": "stepwise",
@@ -83,7 +87,8 @@ def test_gigpo_trains_on_step_rows(tiny_model, tmp_path, monkeypatch):
         f"data.val_files=[{tmp_path / 'train.jsonl'}]", "rollout.val_n=2",
         "data.max_prompt_length=160", "data.max_response_length=6", "actor.engine=fsdp", "actor.ppo_mini_batch_size=2",
         "actor.micro_batch_size=16", "actor.optim.lr=1e-3", "rollout.n=4", "algorithm.adv_estimator=gigpo",
-        "algorithm.gamma=0.95", "trainer.executor=local", "trainer.total_steps=2", "trainer.progress_bar=false",
+        "algorithm.gamma=0.95", "trainer.executor=ray", "trainer.n_workers=2", "trainer.ray_num_cpus=2",
+        "trainer.total_steps=2", "trainer.progress_bar=false",
         "trainer.logger=[jsonl]", "trainer.val_before_train=true", "trainer.test_freq=0", f"trainer.rollout_data_dir={run / 'rollouts'}",
         f"trainer.run_dir={run}"])
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
