@@ -11,6 +11,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# polyrl's fixtures (real_model_dir: the real SmolLM2-135M-Instruct, built once per run; tiny_model_dir...)
+pytest_plugins = ["polyrl.testing"]
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "vllm: needs vLLM (runs in .venv-vllm)")

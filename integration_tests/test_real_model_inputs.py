@@ -16,7 +16,6 @@ import yaml
 from polyrl.errors import DataError
 from polyrl.models.gguf import file_sha256
 from polyrl.models.real import SMOLLM2
-from polyrl.testing.fixtures import real_model_dir, real_model_gguf  # noqa: F401  (pytest fixtures)
 from polyrl.trainer.commands import train
 
 
@@ -35,7 +34,7 @@ def _one_line(proc: subprocess.CompletedProcess) -> str:
 
 
 @pytest.mark.timeout(400)  # about 60 s on 2 quiet cores
-def test_a_gguf_model_path_trains_and_every_role_loads_its_converted_folder(real_model_gguf, real_model_dir,  # noqa: F811
+def test_a_gguf_model_path_trains_and_every_role_loads_its_converted_folder(real_model_gguf, real_model_dir,
                                                                             base_overrides, manifest_file, tmp_path,
                                                                             monkeypatch):
     """``model.path=SmolLM2-135M-Instruct.Q4_1.gguf``: one GRPO step of the real model (actor, rollout and reference
@@ -97,7 +96,7 @@ def _serve_answers(run) -> None:
     assert proc.returncode == 0 and "Traceback" not in err, err
 
 
-def test_a_truncated_gguf_stops_train_in_one_line(real_model_gguf, base_overrides, manifest_file, tmp_path):  # noqa: F811
+def test_a_truncated_gguf_stops_train_in_one_line(real_model_gguf, base_overrides, manifest_file, tmp_path):
     cut = tmp_path / "cut.gguf"
     with open(real_model_gguf, "rb") as src, open(cut, "wb") as dst:
         dst.write(src.read(SMOLLM2.gguf_size - 1000))
