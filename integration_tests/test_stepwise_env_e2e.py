@@ -1,5 +1,5 @@
-"""The stepwise agent loop end to end: the real trainer (two Ray workers), the hf rollout, a tiny model, GiGPO over
-step rows.
+"""The stepwise agent loop end to end: the real trainer (Ray workers, sync and one_step_off_policy), the hf
+rollout, a tiny model, GiGPO over step rows.
 
 A random tiny model cannot write ``<action>up</action>``, so the environment here is a plugin (loaded through the
 manifest's ``modules``) that takes any text: three steps through shared states ``at 0 -> at 1 -> at 2``, a reward
@@ -68,9 +68,18 @@ def register_environments(register):
 '''
 
 
+#: sync: two Ray workers, each generating its share of the episodes (the driver joins their step rows);
+#: one_step_off_policy: a split rollout worker generates the next step's episodes while this step trains
+MODES = {
+    "sync": ["trainer.n_workers=2"],
+    "one_step_off_policy": ["trainer.n_workers=1", "trainer.placement=split", "trainer.rollout_workers=1",
+                            "trainer.async_mode=one_step_off_policy"],
+}
+
+
 @pytest.mark.timeout(180)
-def test_gigpo_trains_on_step_rows(tiny_model, tmp_path, monkeypatch):
-    """Two Ray workers: each generates its share of the episodes; the driver joins their step rows."""
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gigpo_trains_on_step_rows(tiny_model, tmp_path, monkeypatch, mode):
     from polyrl.data.synthetic import write_jsonl
 
     (tmp_path / "corridor_env.py").write_text(ENV_PLUGIN)
@@ -87,7 +96,7 @@ def test_gigpo_trains_on_step_rows(tiny_model, tmp_path, monkeypatch):
         f"data.val_files=[{tmp_path / 'train.jsonl'}]", "rollout.val_n=2",
         "data.max_prompt_length=160", "data.max_response_length=6", "actor.engine=fsdp", "actor.ppo_mini_batch_size=2",
         "actor.micro_batch_size=16", "actor.optim.lr=1e-3", "rollout.n=4", "algorithm.adv_estimator=gigpo",
-        "algorithm.gamma=0.95", "trainer.executor=ray", "trainer.n_workers=2", "trainer.ray_num_cpus=2",
+        "algorithm.gamma=0.95", "trainer.executor=ray", "trainer.ray_num_cpus=2", *MODES[mode],
         "trainer.total_steps=2", "trainer.progress_bar=false",
         "trainer.logger=[jsonl]", "trainer.val_before_train=true", "trainer.test_freq=0", f"trainer.rollout_data_dir={run / 'rollouts'}",
         f"trainer.run_dir={run}"])
