@@ -6,8 +6,8 @@ allow it. Two things enforce the deadline:
 
 * every wait of a Ray worker group on its ranks (:func:`wait_refs`) waits at most until the phase's deadline, and
   knows which ranks did not answer;
-* in the driver's main thread an alarm (``SIGALRM``) fires a moment after the deadline, for what runs in the driver
-  itself: a reward function that blocks, the ``local`` executor, a wait outside a worker group.
+* in the driver's main thread a timer interrupts the thread (a real-time signal) a moment after the deadline, for
+  what runs in the driver itself: a reward function that blocks, the ``local`` executor, a wait outside a worker group.
 
 When a deadline passes, every worker's Python stacks (each Ray actor dumps them with :mod:`faulthandler` on
 ``SIGUSR2``, whatever its main thread is doing; a stopped process is reported as not answering) and the driver's go
@@ -43,10 +43,15 @@ log = logging.getLogger("polyrl")
 #: The kinds of phase with a deadline of their own (``trainer.phase_timeouts.<kind>``); ``worker_call`` covers every
 #: worker-group call of a step outside the others (log-probs, values, updates, memory statistics).
 PHASE_KINDS = ("generation", "reward", "worker_call", "weight_sync", "checkpoint", "validation")
+#: ``trainer.phase_timeout_s``'s default (generous for real models: a long generation or checkpoint fits).
+DEFAULT_PHASE_TIMEOUT_S = 1800.0
 #: The signal a Ray worker dumps its Python stacks on (:func:`install_stack_dump`).
 STACK_SIGNAL = signal.SIGUSR2
-#: Seconds the driver's alarm fires after a deadline: a worker-group wait, which names the ranks, comes first.
+#: Seconds after a deadline the driver's own code is interrupted: a worker-group wait, which names the ranks, ends
+#: first.
 ALARM_GRACE_S = 2.0
+#: What interrupts the driver's main thread past a deadline (a real-time signal nothing else here uses).
+DEADLINE_SIGNAL = signal.SIGRTMIN + 5
 #: Seconds a worker has to write its stacks once asked.
 STACK_WAIT_S = 3.0
 
@@ -82,6 +87,8 @@ class Phase:
     role: str
     seconds: float
     started: float
+    #: Set once the phase ended or its timeout is being reported: its timer no longer interrupts anything.
+    over: bool = False
 
     def remaining(self) -> float:
         """Seconds left before the deadline (negative once it passed)."""
@@ -91,7 +98,10 @@ class Phase:
 def phase_seconds(trainer: Any, kind: str) -> float:
     """The deadline of a phase of ``kind``: ``trainer.phase_timeouts.<kind>`` when set, else ``trainer.phase_timeout_s``."""
     per_kind = getattr(getattr(trainer, "phase_timeouts", None), kind, None)
-    return float(per_kind if per_kind is not None else getattr(trainer, "phase_timeout_s", 0) or 0)
+    if per_kind is not None:
+        return float(per_kind)
+    # a trainer block without the key (a config built by hand) gets the schema's default, never "no time at all"
+    return float(getattr(trainer, "phase_timeout_s", None) or DEFAULT_PHASE_TIMEOUT_S)
 
 
 _state = threading.local()
@@ -109,49 +119,58 @@ def current() -> Phase | None:
     return phases[-1] if phases else None
 
 
-def _on_alarm(signum: int, frame: Any) -> None:
+def _on_deadline_signal(signum: int, frame: Any) -> None:
     phases = _stack()
-    if phases and phases[-1].remaining() <= 0:
+    if phases and not phases[-1].over and phases[-1].remaining() <= 0:
         raise _DeadlinePassed()
-    _arm()  # an outer phase's alarm that came early (an inner phase just ended): wait on
+    # a timer of a phase that just ended, or one whose timeout is being reported: nothing to do
 
 
-def _arm() -> None:
-    """Set the main thread's alarm to a moment after the innermost deadline (off when no phase is in progress)."""
-    phases = _stack()
-    if phases:
-        signal.setitimer(signal.ITIMER_REAL, max(0.05, phases[-1].remaining() + ALARM_GRACE_S))
-    else:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+def _fire(phase_: Phase, thread_id: int) -> None:
+    """Runs on a timer thread: interrupt the main thread if ``phase_`` is still in progress there."""
+    if not phase_.over and phase_.remaining() <= 0:
+        signal.pthread_kill(thread_id, DEADLINE_SIGNAL)
 
 
 @contextmanager
 def phase(name: str, seconds: float, *, kind: str = "worker_call", role: str = "") -> Iterator[Phase]:
     """Run the body as phase ``name`` with a deadline of ``seconds``; past it, raise :class:`PhaseTimeoutError`
-    (after the stacks of every worker went to the run's log). Phases nest: the innermost one's deadline applies."""
+    (after the stacks of every worker went to the run's log). Phases nest: the innermost one's deadline applies.
+
+    In the main thread a timer thread signals the main thread (``DEADLINE_SIGNAL``, a real-time signal: ``SIGALRM``
+    stays free for pytest-timeout and others) ``ALARM_GRACE_S`` after the deadline, which stops code that runs in
+    the driver itself (a blocking reward function, the ``local`` executor); a blocking system call returns with
+    EINTR and the handler raises."""
     p = Phase(name, kind, role, float(seconds), time.monotonic())
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGALRM) if main else None
     phases = _stack()
+    outermost = not phases
+    previous = signal.getsignal(DEADLINE_SIGNAL) if main and outermost else None
     phases.append(p)
+    timer = None
     if main:
-        signal.signal(signal.SIGALRM, _on_alarm)
-        _arm()
+        if outermost:
+            signal.signal(DEADLINE_SIGNAL, _on_deadline_signal)
+        timer = threading.Timer(p.seconds + ALARM_GRACE_S, _fire, args=(p, threading.get_ident()))
+        timer.daemon = True
+        timer.start()
     error: PhaseTimeoutError | None = None
     try:
         yield p
     except _DeadlinePassed as exc:
         if phases and phases[-1] is p:
+            p.over = True  # the stacks take seconds to collect: the timer must not interrupt that
             error = _timed_out(p, exc.pending, exc.driver_stacks)
         else:  # an inner phase's: let it through to that phase (cannot happen: inner phases exit first)
             raise
     finally:
+        p.over = True
+        if timer is not None:
+            timer.cancel()
         if phases and phases[-1] is p:
             phases.pop()
-        if main:
-            _arm()
-            if not phases:
-                signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+        if main and outermost:
+            signal.signal(DEADLINE_SIGNAL, previous if previous is not None else signal.SIG_DFL)
     if error is not None:
         raise error  # outside the except block: no Ray error rides along as its context
 
