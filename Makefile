@@ -27,8 +27,8 @@ TORCH_PIN := -c requirements/torch.txt
 # The vLLM lock until the lead builds it (`make lock-vllm`): torch alone is pinned.
 VLLM_LOCK_C = $(if $(wildcard $(LOCK_VLLM)),-c $(LOCK_VLLM))
 # What .venv holds: the workspace packages (editable; the quickstart needs `plot` and `ray`, the suite also `math`,
-# `tools` and `gguf`) and the dev tool sets.
-DEV_REQS := -e "packages/core[test,plot,ray,math,tools,gguf]" -e packages/engine-fsdp -e examples/plugins/polyrl-example \
+# `tools`, `gguf` and `agents-sdk`) and the dev tool sets.
+DEV_REQS := -e "packages/core[test,plot,ray,math,tools,gguf,agents-sdk]" -e packages/engine-fsdp -e examples/plugins/polyrl-example \
 	-e packages/hw-ascend -e packages/hw-rocm -e packages/rollout-sglang \
 	-e packages/engine-megatron -e "packages/diffusion[ocr]" -e packages/recipes \
 	--group packages/core/pyproject.toml:lint --group packages/core/pyproject.toml:typecheck \
