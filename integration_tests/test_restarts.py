@@ -82,6 +82,13 @@ def test_a_killed_worker_stops_the_run_with_one_line_naming_it(base_overrides, m
 @pytest.mark.timeout(300)
 def test_max_restarts_resumes_by_itself_with_the_history_of_an_uninterrupted_run(base_overrides, manifest_file,
                                                                                 tmp_path):
+    """One host, a killed worker: the restart path where network namespaces cannot be made. Where they can (root,
+    as in CI), test_two_hosts.py's lost host that comes back checks the same history over a real lost node, and
+    this 100-second run is skipped to keep the suite inside its time."""
+    from two_hosts import namespaces_refused
+
+    if namespaces_refused() is None:
+        pytest.skip("covered by test_two_hosts.py::test_a_lost_host_that_comes_back_resumes_by_itself_... here")
     straight = tmp_path / "straight"
     ray = ["trainer.executor=ray", "trainer.ray_num_cpus=2"]
     uninterrupted = _start(manifest_file, _common(base_overrides, 3, straight) + ray)
