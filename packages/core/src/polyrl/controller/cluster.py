@@ -71,6 +71,35 @@ def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
 _checked: set[tuple[str, Manifest | None]] = set()
 
 
+def node_answers(node_id: str, timeout_s: float) -> bool:
+    """Whether a small task runs on node ``node_id`` within ``timeout_s`` (Ray lists a node that died as alive
+    until its health checks fail, tens of seconds later)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ref = ray.remote(lambda: True).options(
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+    try:
+        return bool(ray.get(ref, timeout=timeout_s))
+    except Exception:
+        ray.cancel(ref, force=True)
+        return False
+
+
+def alive_resources(gone: set[str]) -> tuple[dict[str, float], int]:
+    """The summed resources of the nodes Ray lists as alive, less those in ``gone``; and how many nodes that is."""
+    import ray
+
+    total: dict[str, float] = {}
+    count = 0
+    for node in ray.nodes():
+        if node.get("Alive") and node.get("NodeID") not in gone:
+            count += 1
+            for key, value in (node.get("Resources") or {}).items():
+                total[key] = total.get(key, 0.0) + float(value)
+    return total, count
+
+
 def prepare_cluster(config: Any, manifest: Manifest | None) -> str:
     """Before a worker group starts on Ray: check ``trainer.placement_strategy`` (returned, upper-cased)
     and, on a cluster joined by address or with more than one node, the manifest on every node (once per
@@ -199,4 +228,5 @@ def _pip_line(driver: dict[str, tuple[str | None, str | None]], distributions: S
     return "pip install " + " ".join(f"'{d}=={versions[d]}'" if versions.get(d) else f"'{d}'" for d in wanted)
 
 
-__all__ = ["PLACEMENT_STRATEGIES", "check_manifest_on_nodes", "check_reachable", "cluster_address", "prepare_cluster", "rendezvous_address"]
+__all__ = ["PLACEMENT_STRATEGIES", "alive_resources", "check_manifest_on_nodes", "check_reachable", "cluster_address",
+           "node_answers", "prepare_cluster", "rendezvous_address"]

@@ -47,41 +47,12 @@ def fit_with_restarts(make_trainer: Callable[[int], Any]) -> dict[str, float]:
             trainer = make_trainer(attempt)
 
 
-def _node_answers(node_id: str, timeout_s: float) -> bool:
-    """Whether a small task runs on node ``node_id`` within ``timeout_s`` (Ray lists a node that died as alive
-    until its health checks fail, tens of seconds later)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    ref = ray.remote(lambda: True).options(
-        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
-    try:
-        return bool(ray.get(ref, timeout=timeout_s))
-    except Exception:
-        ray.cancel(ref, force=True)
-        return False
-
-
-def _alive_resources(gone: set[str]) -> tuple[dict[str, float], int]:
-    """The summed resources of the nodes Ray lists as alive, less those in ``gone``; and how many nodes that is."""
-    import ray
-
-    total: dict[str, float] = {}
-    count = 0
-    for node in ray.nodes():
-        if node.get("Alive") and node.get("NodeID") not in gone:
-            count += 1
-            for key, value in (node.get("Resources") or {}).items():
-                total[key] = total.get(key, 0.0) + float(value)
-    return total, count
-
-
 def wait_for_layout(trainer: Any, lost_node: str = "") -> None:
     """Wait up to ``trainer.restart_wait_s`` until the Ray cluster the run joins has the resources of its pools
     again (nothing to wait for with a local Ray: a new one starts); raise :class:`ConfigError` saying what is
     missing when it does not. ``lost_node``: the node of the lost worker; while Ray still lists it as alive it
     counts only if a task runs there."""
-    from polyrl.controller.cluster import cluster_address
+    from polyrl.controller.cluster import alive_resources, cluster_address, node_answers
 
     cfg = trainer.config
     address = cluster_address(cfg)
@@ -90,10 +61,10 @@ def wait_for_layout(trainer: Any, lost_node: str = "") -> None:
     import ray
 
     from polyrl.trainer.placement import check_pools_fit
-    from polyrl.trainer.role_groups import _platform
+    from polyrl.trainer.role_groups import run_platform
 
     wait_s = float(cfg.trainer.restart_wait_s)
-    accelerator = _platform(cfg).ray_resource
+    accelerator = run_platform(cfg).ray_resource
     deadline = time.monotonic() + wait_s
     started = not ray.is_initialized()
     if started:
@@ -105,9 +76,9 @@ def wait_for_layout(trainer: Any, lost_node: str = "") -> None:
         gone: set[str] = set()
         while True:
             listed = lost_node and any(n.get("NodeID") == lost_node and n.get("Alive") for n in ray.nodes())
-            if listed and lost_node not in gone and not _node_answers(lost_node, PROBE_S):
+            if listed and lost_node not in gone and not node_answers(lost_node, PROBE_S):
                 gone.add(lost_node)  # dead, whatever Ray lists for now
-            resources, alive = _alive_resources(gone)
+            resources, alive = alive_resources(gone)
             try:
                 check_pools_fit(trainer.placement, resources, accelerator)
                 log.info("the cluster offers the run's layout again (%d node(s) alive): restarting", alive)

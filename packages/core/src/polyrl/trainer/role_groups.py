@@ -260,7 +260,7 @@ def build_role_groups(config: Any, *, manifest: Manifest | None, use_ref: bool, 
     from polyrl.trainer.weight_sync import resolve_weight_transfer
 
     colocated = placement.shares("actor", "rollout")
-    transfer = None if colocated else resolve_weight_transfer(config, _platform(config))
+    transfer = None if colocated else resolve_weight_transfer(config, run_platform(config))
     owns_ray = start_ray(config, run_dir, workers=placement.total_workers)
     started: list[WorkerGroup] = []
     try:
@@ -301,7 +301,7 @@ def _check_cluster(config: Any, placement: Placement) -> None:
     """The pools must fit the Ray cluster this process joined or started (one CPU and one accelerator each)."""
     import ray
 
-    check_pools_fit(placement, ray.cluster_resources(), _platform(config).ray_resource)
+    check_pools_fit(placement, ray.cluster_resources(), run_platform(config).ray_resource)
 
 
 def _place_replicas(groups: RoleGroups, tp: int) -> RoleGroups:
@@ -326,7 +326,8 @@ def _place_replicas(groups: RoleGroups, tp: int) -> RoleGroups:
     return groups
 
 
-def _platform(config: Any) -> Any:
+def run_platform(config: Any) -> Any:
+    """The platform ``trainer.device`` names (``auto``: the detected one), as the driver places pools for it."""
     from polyrl.platforms import detect_platform, get_platform
 
     device = config.trainer.device
@@ -334,7 +335,7 @@ def _platform(config: Any) -> Any:
 
 
 def _resources(config: Any) -> dict[str, float]:
-    platform = _platform(config)
+    platform = run_platform(config)
     bundle: dict[str, float] = {"CPU": 1}
     if platform.ray_resource:
         bundle[platform.ray_resource] = 1
