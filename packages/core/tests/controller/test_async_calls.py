@@ -106,3 +106,32 @@ def test_the_local_group_answers_with_completed_handles():
     assert local.share(3) == 3
     with pytest.raises(IndexError):
         local.call_rank_async(1, "record", "x")
+
+
+def test_a_killed_rank_met_outside_any_phase_is_named_as_a_lost_worker(ray_local):
+    """A call that does not go through the deadline-aware wait (no phase is current) gets Ray's own actor error:
+    ``lost_worker_in`` turns it into the WorkerLostError naming the group's rank, as ``fit_with_restarts`` needs."""
+    import ray
+
+    from polyrl.controller.deadlines import WorkerLostError, lost_worker_in
+
+    g = RayWorkerGroup(_Worker, 2, resources_per_worker={"CPU": 0.5}, name="lost-outside")
+    try:
+        ray.kill(g.workers[1])
+        error = None
+        deadline = time.monotonic() + 30
+        while error is None and time.monotonic() < deadline:  # ray.kill is asynchronous: a call may still land
+            try:
+                g.call_rank_async(1, "record", "x").result(timeout=30)
+            except ray.exceptions.RayActorError as exc:
+                error = exc
+        assert error is not None, "the killed rank still answers after 30 s"
+        lost = lost_worker_in(error)
+        assert isinstance(lost, WorkerLostError)
+        assert "rank 1 of worker group 'lost-outside'" in str(lost) and lost.node_id
+        assert lost_worker_in(ValueError("boom")) is None
+        wrapped = RuntimeError("a rollout call failed")
+        wrapped.__cause__ = error
+        assert "rank 1 of worker group 'lost-outside'" in str(lost_worker_in(wrapped))
+    finally:
+        g.shutdown()

@@ -386,6 +386,36 @@ def wait_refs(refs: list[Any], owners: Sequence[tuple[Any, int]]) -> list[Any]:
     return ray.get(refs)
 
 
+def lost_worker_in(exc: BaseException) -> WorkerLostError | None:
+    """The :class:`WorkerLostError` naming the rank (and node) of a Ray actor that died or became unreachable
+    when ``exc`` is, or was caused by, Ray's actor error for one of this driver's worker groups (a call that did not
+    go through :func:`wait_refs`: a rollout call, a weight sync's thread); None otherwise. An actor that failed in
+    its constructor is not lost: that is an error of its own."""
+    import sys
+
+    ray_errors = sys.modules.get("ray.exceptions")  # no Ray imported: no Ray error to look for
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, WorkerLostError):
+            return error
+        if ray_errors is not None and isinstance(error, ray_errors.RayActorError) and not error.actor_init_failed:
+            actor = getattr(error, "actor_id", None)
+            for group in list(_groups):
+                for rank, worker in enumerate(getattr(group, "workers", None) or []):
+                    try:
+                        if actor and worker._actor_id.hex() == actor:
+                            return _lost(current(), (group, rank))
+                    except AttributeError:
+                        continue
+            lost = WorkerLostError(f"a worker of this run was lost ({error}). The last checkpoint is whole: run "
+                                   "again to resume, or set trainer.max_restarts to resume by itself")
+            return lost
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def _lost(p: Phase | None, owner: tuple[Any, int]) -> WorkerLostError:
     group, rank = owner
     group.wedged = True
@@ -408,5 +438,5 @@ def _lost(p: Phase | None, owner: tuple[Any, int]) -> WorkerLostError:
 
 
 __all__ = ["PHASE_KINDS", "Phase", "PhaseTimeoutError", "WorkerLostError", "collect_stacks",
-           "current", "describe_rank", "dump_stacks_of", "install_stack_dump", "phase", "phase_seconds",
+           "current", "describe_rank", "dump_stacks_of", "install_stack_dump", "lost_worker_in", "phase", "phase_seconds",
            "process_info", "register_group", "wait_refs"]

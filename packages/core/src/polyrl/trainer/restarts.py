@@ -1,7 +1,7 @@
 """Restarts: a run that lost a worker (its process or its node) resumes from its last checkpoint by itself.
 
 ``trainer.max_restarts`` (default 0: the run stops with one line naming the lost worker, and resumes when started
-again) lets :func:`fit_with_restarts` catch :class:`~polyrl.controller.deadlines.WorkerLostError` up to that many
+again) lets :func:`fit_with_restarts` catch :class:`~polyrl.controller.deadlines.WorkerLostError` (or Ray's error for a lost actor) up to that many
 times. Each time the failed run has already torn its worker groups down (``fit`` stops them on any error); the
 driver waits up to ``trainer.restart_wait_s`` for the cluster to offer the run's layout again (the pools' CPUs and
 accelerators; a local Ray is simply started afresh), builds a new trainer from the same config and fits it with
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from polyrl.controller.deadlines import WorkerLostError
+from polyrl.controller.deadlines import lost_worker_in
 from polyrl.errors import ConfigError
 
 log = logging.getLogger("polyrl")
@@ -35,16 +35,21 @@ def fit_with_restarts(make_trainer: Callable[[int], Any]) -> dict[str, float]:
     attempt = 0
     trainer = make_trainer(attempt)
     while True:
+        limit = int(trainer.config.trainer.max_restarts)
         try:
             return trainer.fit()
-        except WorkerLostError as exc:
-            limit = int(trainer.config.trainer.max_restarts)
-            if attempt >= limit:
+        except Exception as exc:
+            # Ray's own actor error where a call did not go through the deadline-aware wait (a rollout or weight
+            # sync call that met the lost node first) is a lost worker too
+            lost = lost_worker_in(exc)
+            if lost is None or (lost is exc and attempt >= limit):
                 raise
-            attempt += 1
-            log.warning("restart %d of %d (trainer.max_restarts): %s", attempt, limit, exc)
-            wait_for_layout(trainer, lost_node=exc.node_id)
-            trainer = make_trainer(attempt)
+        if attempt >= limit:
+            raise lost  # outside the except block: the CLI prints this line, not Ray's error it replaces
+        attempt += 1
+        log.warning("restart %d of %d (trainer.max_restarts): %s", attempt, limit, lost)
+        wait_for_layout(trainer, lost_node=lost.node_id)
+        trainer = make_trainer(attempt)
 
 
 def wait_for_layout(trainer: Any, lost_node: str = "") -> None:
