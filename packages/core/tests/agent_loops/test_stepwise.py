@@ -211,8 +211,8 @@ def test_bad_rows_are_data_errors_naming_the_row():
         play(loop(tok, environments={"gridworld": make_gridworld}), row(env="nowhere"), ScriptedClient(tok, ["x"]))
     with pytest.raises(DataError, match="u0.*gridworld.*env_kwargs"):
         play(loop(tok), row(env_kwargs={"lakes": 1}), ScriptedClient(tok, ["x"]))
-    with pytest.raises(DataError, match="history"):
-        play(loop(tok), row(history="summary"), ScriptedClient(tok, ["x"]))
+    with pytest.raises(DataError, match="history='diary'.*summary"):
+        play(loop(tok), row(history="diary"), ScriptedClient(tok, ["x"]))
 
 
 def test_parse_action():
@@ -288,3 +288,37 @@ def test_a_step_index_that_is_not_one_per_row_is_not_read_as_steps():
 
     batch = TensorDict({"step_index": torch.arange(12).view(3, 4)}, batch_size=[3])
     assert sample_of_rows(batch, 3) is None
+
+
+def test_summary_history_is_a_bounded_memory_token_exact_through_the_chat_template(tokenizer):
+    from polyrl.agent_loops.history import Turn, summary_history
+
+    moves = ["up", "right", "left", "right", "down"]  # up at the top edge changes nothing; left returns to start
+    texts = [f"I try {m}. <action>{m}</action>" for m in moves]
+    client = ScriptedClient(tokenizer, texts)
+    outs = play(loop(tokenizer), row(history="summary", history_k=2, env_kwargs={"size": 4, "holes": 0},
+                                     max_steps=len(moves)), client)
+    assert len(outs) == len(moves)
+    replay = GridWorld(4, 0)
+    observation = replay.reset(3, {})
+    turns: list = []
+    for t, (out, move) in enumerate(zip(outs, moves)):
+        assert out.prompt_ids == render(tokenizer, summary_history(TASK, turns, observation, 2)), f"step {t}"
+        assert out.prompt_ids == client.requests[t].prompt_ids
+        text = tokenizer.decode(out.response_ids, skip_special_tokens=True).strip()
+        after, reward, _, _ = replay.step(move)
+        turns.append(Turn(observation, text, move, reward, after))
+        observation = after
+    # the last prompt's memory, written out by hand: 4 steps, start / start / (0,1) / start seen, now (0,1) again
+    start, one_right = "P...\n....\n....\n...G", ".P..\n....\n....\n...G"
+    expected = ("Memory of this episode:\nSteps so far: 4; total reward 0.\n"
+                "Distinct observations seen: 2; the current one 1 time before.\n"
+                "Actions that changed nothing: up.\nLast actions:\n- step 3: left -> reward 0\n"
+                "- step 4: right -> reward 0\n\nCurrent observation:\n" + one_right)
+    assert outs[-1].prompt_ids == render(tokenizer, TASK + [{"role": "user", "content": expected}])
+    assert outs[0].prompt_ids == render(tokenizer, TASK + [{"role": "user", "content": start}])
+    # bounded: no model text of an earlier step reaches the prompt, and the memory does not grow past k + 4 lines
+    assert "I try" not in tokenizer.decode(outs[-1].prompt_ids)
+    long = [Turn(start, "x", f"move{i}", 1.0, start if i % 2 else one_right) for i in range(200)]
+    memory = summary_history(TASK, long, start, 3)[-1]["content"]
+    assert memory.count("\n- step") == 3 and len(memory) < 600 and "total reward 200." in memory

@@ -38,17 +38,18 @@ from typing import Any
 
 import torch
 
+from polyrl.agent_loops.history import Turn, last_k_history, summary_history, transcript_history
 from polyrl.errors import DataError
 from polyrl.protocols import AgentLoopOutput, GenerationClient, GenerationRequest, GenerationResult, SamplingParams
 from polyrl.tools.function import ToolThreads
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV_EXECUTOR", "HISTORY_POLICIES", "EPISODE_COUNTS", "StepwiseAgentLoop", "anchor_id",
-           "last_k_history", "parse_action", "transcript_history"]
+__all__ = ["ENV_EXECUTOR", "HISTORY_POLICIES", "EPISODE_COUNTS", "StepwiseAgentLoop", "Turn", "anchor_id",
+           "last_k_history", "parse_action", "summary_history", "transcript_history"]
 
-#: A history policy: ``(task messages, earlier (observation, model text) pairs, current observation, k) ->
-#: the step's chat messages``.
+#: A history policy: ``(task messages, earlier turns, current observation, k) -> the step's chat messages``; each
+#: turn is a :class:`~polyrl.agent_loops.history.Turn` (it unpacks as the pair ``(observation, model text)``).
 HistoryPolicy = Callable[[Sequence[Mapping[str, Any]], Sequence[tuple[str, str]], str, int], list[dict]]
 
 #: Threads synchronous environments run in (a hung one is abandoned and counted, as for tools).
@@ -61,25 +62,9 @@ EPISODE_COUNTS = ("malformed_actions", "env_errors", "env_timeouts", "nonfinite_
 DEFAULT_ACTION_PATTERN = r"<action>(.*?)</action>"
 
 
-def last_k_history(task: Sequence[Mapping[str, Any]], turns: Sequence[tuple[str, str]], observation: str,
-                   k: int) -> list[dict]:
-    """The task messages, the last ``k`` (observation, model text) pairs as user / assistant messages, then the
-    current observation as the last user message."""
-    messages = [dict(m) for m in task]
-    for obs, text in (list(turns)[-k:] if k > 0 else []):
-        messages += [{"role": "user", "content": obs}, {"role": "assistant", "content": text}]
-    messages.append({"role": "user", "content": observation})
-    return messages
-
-
-def transcript_history(task: Sequence[Mapping[str, Any]], turns: Sequence[tuple[str, str]], observation: str,
-                       k: int) -> list[dict]:
-    """The whole episode so far (``k`` is ignored): the prompt grows with every step."""
-    return last_k_history(task, turns, observation, len(turns))
-
-
 #: ``extra_info.history`` names one of these, or an import string ``"package.module:function"``.
-HISTORY_POLICIES: dict[str, HistoryPolicy] = {"last_k": last_k_history, "transcript": transcript_history}
+HISTORY_POLICIES: dict[str, HistoryPolicy] = {"last_k": last_k_history, "transcript": transcript_history,
+                                               "summary": summary_history}
 
 
 def parse_action(text: str, pattern: str | None = DEFAULT_ACTION_PATTERN) -> str | None:
@@ -160,7 +145,7 @@ class StepwiseAgentLoop:
             raise DataError(f"stepwise: row uid {sample.get('uid')}: extra_info.env: {exc}") from None
 
     def history_policy(self, name: str) -> HistoryPolicy:
-        """``last_k``, ``transcript``, or a function named by an import string ``"pkg.mod:fn"``."""
+        """``last_k``, ``transcript``, ``summary``, or a function named by an import string ``"pkg.mod:fn"``."""
         if name in HISTORY_POLICIES:
             return HISTORY_POLICIES[name]
         if ":" in name:
@@ -204,7 +189,7 @@ class StepwiseAgentLoop:
         except Exception as exc:
             return [self._no_step(episode, task, exc)]
         anchor = self._anchor(env, observation, episode)
-        turns: list[tuple[str, str]] = []
+        turns: list[Turn] = []
         budget = sampling_params.max_new_tokens
         per_step = min(budget, self.config.max_new_tokens_per_turn or budget)
         for t in range(max_steps):
@@ -247,8 +232,8 @@ class StepwiseAgentLoop:
                 break
             step.reward = reward
             episode.success = episode.success or bool((step_info or {}).get("success", False))
-            turns.append((answered, text.strip()))
             observation = str(observation)
+            turns.append(Turn(answered, text.strip(), action, reward, observation))
             if done:
                 episode.end = "done"
                 break
