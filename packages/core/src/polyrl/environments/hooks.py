@@ -11,6 +11,9 @@ def register_environments(register):
              description="seeded generated Sokoban levels (height, width, boxes); gym-sokoban's rewards")
     register("search", "polyrl.environments.search:make_search",
              description="Search-R1 QA: <search> a local corpus (BM25, polyrl[search]), <answer> scored by search_r1")
+    register("openenv", "polyrl.environments.openenv:make_openenv",
+             description="an OpenEnv-style environment class named by env_kwargs.class (reset/step of observation "
+                         "objects), taken as it is")
 
 
 @hookimpl
