@@ -1,4 +1,4 @@
-"""The stepwise agent loop end to end: the real trainer (Ray workers, sync and one_step_off_policy), the hf
+"""The stepwise agent loop end to end: the real trainer (Ray workers; sync, one_step_off_policy, fully_async), the hf
 rollout, a tiny model, GiGPO over step rows.
 
 A random tiny model cannot write ``<action>up</action>``, so the environment here is a plugin (loaded through the
@@ -74,6 +74,9 @@ MODES = {
     "sync": ["trainer.n_workers=2"],
     "one_step_off_policy": ["trainer.n_workers=1", "trainer.placement=split", "trainer.rollout_workers=1",
                             "trainer.async_mode=one_step_off_policy"],
+    # the rollout worker streams prompt groups (each its 4 episodes' step rows) into the queue, chunks of one group
+    "fully_async": ["trainer.n_workers=1", "trainer.placement=split", "trainer.rollout_workers=1",
+                    "trainer.async_mode=fully_async", "trainer.async_chunk_groups=1"],
 }
 
 

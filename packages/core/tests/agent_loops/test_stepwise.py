@@ -322,3 +322,18 @@ def test_summary_history_is_a_bounded_memory_token_exact_through_the_chat_templa
     long = [Turn(start, "x", f"move{i}", 1.0, start if i % 2 else one_right) for i in range(200)]
     memory = summary_history(TASK, long, start, 3)[-1]["content"]
     assert memory.count("\n- step") == 3 and len(memory) < 600 and "total reward 200." in memory
+
+
+def test_group_slices_give_each_prompt_group_its_samples_step_rows():
+    from tensordict import TensorDict
+
+    from polyrl.trainer.step_rows import group_slices
+
+    # 2 prompt groups x n=2 samples; the samples' episodes are 3, 1, 2 and 2 steps long
+    steps = [0, 1, 2, 0, 0, 1, 0, 1]
+    batch = TensorDict({"step_index": torch.tensor(steps)}, batch_size=[8])
+    assert group_slices(batch, 2, 2) == [slice(0, 4), slice(4, 8)]
+    batch = TensorDict({"step_index": torch.tensor([0, 0, 1, 2, 0, 0, 1])}, batch_size=[7])  # 1, 3 | 1, 2 steps
+    assert group_slices(batch, 2, 2) == [slice(0, 4), slice(4, 7)]
+    plain = TensorDict({"x": torch.zeros(6)}, batch_size=[6])  # one row per sample
+    assert group_slices(plain, 3, 2) == [slice(0, 2), slice(2, 4), slice(4, 6)]

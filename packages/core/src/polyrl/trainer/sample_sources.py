@@ -39,7 +39,7 @@ from polyrl import batch as batch_ops
 from polyrl.checkpoint_io import load_tensors
 from polyrl.controller.worker_group import CallHandle, WorkerGroup, wait_any
 from polyrl.errors import ConfigError
-from polyrl.trainer.step_rows import expand_to_rows, pad_step_rows, step_row_divisor
+from polyrl.trainer.step_rows import expand_to_rows, group_slices, pad_step_rows, step_row_divisor
 
 log = logging.getLogger("polyrl")
 
@@ -437,12 +437,10 @@ class StreamingSource(RolloutSource):
                             self.todo.extendleft(reversed(chunk.rows))
                         else:
                             attach_sample_fields(batch, chunk.rows, self.n, chunk.version)
-                            if batch.batch_size[0] != len(chunk.rows) * self.n:
-                                raise ConfigError("trainer.async_mode=fully_async queues n rows per prompt; a "
-                                                  "step-wise agent loop gives one row per step: use async_mode "
-                                                  "sync or one_step_off_policy")
-                            for g, row in enumerate(chunk.rows):
-                                self.ready.append(_Group(row, batch[g * self.n : (g + 1) * self.n], chunk.version))
+                            # a group is its n samples' rows: n, or one per step of a step-wise loop's episodes
+                            parts = group_slices(batch, len(chunk.rows), self.n)
+                            for row, part in zip(chunk.rows, parts):
+                                self.ready.append(_Group(row, batch[part], chunk.version))
                         self.cond.notify_all()
         except BaseException as exc:  # handed to the trainer, which raises it in next_batch
             log.exception("the rollout stream failed")
@@ -492,7 +490,9 @@ class StreamingSource(RolloutSource):
                     self.cond.notify_all()
                     self.cond.wait(timeout=0.5)
             self.cond.notify_all()  # room in the queue: the producer submits now, not at its next poll
-        return batch_ops.concat([g.batch for g in taken])
+        batch = batch_ops.concat([g.batch for g in taken])
+        # step rows (a step-wise agent loop): whole mini-batches, as in the other modes
+        return pad_step_rows(batch, step_row_divisor(self.trainer.config, self.trainer.use_critic))
 
     def push_weights(self) -> None:
         """Queue the actor's new weights on every rollout worker behind what it generates now; the trainer

@@ -34,6 +34,20 @@ def expand_to_rows(batch: TensorDict, samples: Sequence[dict], ids: Sequence[str
     return [samples[i] for i in owner], [f"{ids[i]}/step{int(t)}" for i, t in zip(owner, steps)]
 
 
+def group_slices(batch: TensorDict, groups: int, n: int) -> list[slice]:
+    """The rows of each of ``groups`` prompt groups (``n`` samples each) in a batch generated for them, in order:
+    ``n`` rows each, or with step rows every row of the group's samples (``fully_async`` queues groups so)."""
+    from polyrl.agent_loops.runner import sample_of_rows
+
+    owner = sample_of_rows(batch, groups * n)
+    if owner is None:
+        return [slice(g * n, (g + 1) * n) for g in range(groups)]
+    bounds = [0] * (groups + 1)
+    for row, sample in enumerate(owner):
+        bounds[sample // n + 1] = row + 1
+    return [slice(bounds[g], bounds[g + 1]) for g in range(groups)]
+
+
 def step_row_divisor(config: Any, use_critic: bool) -> int:
     """The multiple a batch of step rows is padded to: whole mini-batches of the actor (and critic) update."""
     n = int(config.rollout.n)
