@@ -53,8 +53,28 @@ class WeightSyncExtension:
         if reload is not None and "weights_iterator" in inspect.signature(reload).parameters:
             self.reload_weights(weights_iterator=iter(pairs))
             _prepack_cpu_experts_again(self.model_runner, {name for name, _ in pairs})
+            _prepack_tied_cpu_head_again(self.model_runner, {name for name, _ in pairs})
         else:  # vLLM releases whose reload_weights only rereads the checkpoint (GPU backends)
             self.model_runner.model.load_weights(iter(pairs))
+
+
+def _prepack_tied_cpu_head_again(model_runner: Any, names: set[str]) -> None:
+    """Prepack the LM head again after a sync of the embedding it is tied to, on vLLM's CPU backend.
+
+    With tied embeddings (SmolLM2, Qwen2.5-0.5B/1.5B) vLLM's ``lm_head`` shares ``embed_tokens``' weight, but the CPU
+    backend computes the logits from a copy prepacked at load time (``cpu_linear``); ``reload_weights`` writes the
+    shared weight and does not prepack the head again, so the logits kept the old embedding (SmolLM2-135M's log-probs
+    were 0.1 off the engine's after one optimizer step). Rebuilt only when the sync held the embedding.
+    """
+    if "model.embed_tokens.weight" not in names and "lm_head.weight" not in names:
+        return
+    get_model = getattr(model_runner, "get_model", None)
+    model = get_model() if get_model is not None else getattr(model_runner, "model", None)
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if head is None or method is None or not hasattr(head, "cpu_linear"):
+        return
+    method.process_weights_after_loading(head)
 
 
 def _prepack_cpu_experts_again(model_runner: Any, names: set[str]) -> None:
