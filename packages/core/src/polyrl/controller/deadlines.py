@@ -351,11 +351,39 @@ def _timed_out(p: Phase, pending: Sequence[tuple[Any, int]], driver: str) -> Pha
         f"stacks are in {where or 'the run log'}; the last checkpoint is whole: run again to resume")
 
 
-def wait_refs(refs: list[Any], owners: Sequence[tuple[Any, int]]) -> list[Any]:
-    """``ray.get(refs)`` (``owners[i]``: the ``(group, rank)`` of ``refs[i]``) that returns soon after one of them
-    failed (a rank whose peer died may wait for it until the rendezvous times out) and waits no longer than the
-    current phase's deadline. A rank whose process died raises :class:`WorkerLostError` naming it; otherwise the
-    error raised is the lowest rank's among those that failed within two seconds of the first."""
+#: Seconds the other ranks have to fail too once one failed (the error raised is the lowest rank's among them).
+FAIL_GRACE_S = 2.0
+#: Seconds a failure that says a peer went away waits for Ray to report the lost worker it comes from.
+LOST_GRACE_S = 10.0
+#: Seconds a worker's node has to run a small task before the worker counts as lost (:func:`find_lost_worker`).
+PROBE_S = 15.0
+#: Words of a collective's (gloo, NCCL, a TCP store's) error when the process at the other end went away.
+PEER_GONE_WORDS = ("by peer", "connection reset", "connection closed", "broken pipe", "remote process exited",
+                   "socket closed")
+
+
+def _peer_gone(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(word in text for word in PEER_GONE_WORDS)
+
+
+def _is_lost(exc: BaseException) -> bool:
+    """Ray's error for an actor that died or is unreachable (not one whose constructor failed: that is its own
+    error)."""
+    import ray
+
+    return isinstance(exc, ray.exceptions.RayActorError) and not getattr(exc, "actor_init_failed", False)
+
+
+def wait_refs(refs: list[Any], owners: Sequence[tuple[Any, int]] = ()) -> list[Any]:
+    """``ray.get(refs)`` that returns soon after one of them failed (a rank whose peer died may wait for it until the
+    rendezvous times out) and waits no longer than the current phase's deadline.
+
+    ``owners[i]``: the ``(group, rank)`` of ``refs[i]``; with them, a rank whose process died, or one whose failure
+    says a peer went away while some rank of this run's groups is lost (:func:`find_lost_worker`), raises
+    :class:`WorkerLostError` naming the lost one. Without them (a group's constructors: a constructor that failed
+    is an error of its own) and otherwise, the error raised is the lowest rank's among those that failed within
+    ``FAIL_GRACE_S`` of the first."""
     import ray
 
     p = current()
@@ -364,26 +392,86 @@ def wait_refs(refs: list[Any], owners: Sequence[tuple[Any, int]]) -> list[Any]:
         timeout = None if p is None else max(0.0, p.remaining())
         done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
         if not done:
-            raise _DeadlinePassed([owners[refs.index(r)] for r in pending])
-        lost = None
+            raise _DeadlinePassed([owners[refs.index(r)] for r in pending] if owners else [])
         try:
             ray.get(done)
-        except ray.exceptions.RayActorError:
-            lost = owners[refs.index(done[0])]
-        except Exception:
-            if pending:
-                ray.wait(pending, num_returns=len(pending), timeout=2)
-            for ref in refs:
-                ready, _ = ray.wait([ref], timeout=0)
-                if ready:
-                    try:
-                        ray.get(ref)
-                    except Exception as exc:
-                        raise exc from None
-            raise
-        if lost is not None:  # raised here, not in the except block: the CLI prints this line, not Ray's error
-            raise _lost(p, lost)
+        except Exception as exc:
+            first: BaseException = exc
+        else:
+            continue
+        raise _failure(refs, owners, first, p) from None  # not Ray's error as context: the CLI prints this line
     return ray.get(refs)
+
+
+def _failure(refs: list[Any], owners: Sequence[tuple[Any, int]], first: BaseException,
+             p: Phase | None) -> BaseException:
+    """What :func:`wait_refs` raises once ``first`` failed: a lost worker where there is one, else the lowest
+    rank's error among the ranks that failed within the grace."""
+    import ray
+
+    peer_gone = bool(owners) and not _is_lost(first) and _peer_gone(first)
+    grace = LOST_GRACE_S if peer_gone else FAIL_GRACE_S
+    if p is not None:
+        grace = min(grace, max(0.0, p.remaining()))
+    deadline = time.monotonic() + grace
+    while True:
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+        errors: dict[int, BaseException] = {}
+        for i, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as exc:
+                    errors[i] = exc
+        lost = [i for i, exc in sorted(errors.items()) if _is_lost(exc)]
+        if owners and lost:
+            return _lost(p, owners[lost[0]])
+        left = deadline - time.monotonic()
+        if not pending or left <= 0:
+            break
+        ray.wait(pending, num_returns=1, timeout=left)
+    if peer_gone:  # a collective's peer went away, and Ray did not say it is one of these ranks
+        found = find_lost_worker(p, min(PROBE_S, max(1.0, p.remaining())) if p is not None else PROBE_S)
+        if found is not None:
+            return found
+    return errors[min(errors)] if errors else first
+
+
+def find_lost_worker(p: Phase | None, probe_s: float = PROBE_S) -> WorkerLostError | None:
+    """The :class:`WorkerLostError` of the first rank of this driver's worker groups whose process is gone (on this
+    node: looked up in ``/proc``; elsewhere by a small task on its node) or whose node does not run that task within
+    ``probe_s``; ``None`` when every rank is there. Asked when a collective says a peer went away: the peer may be in
+    another group (the rollout's end of a weight transfer) and Ray may not know yet (a node that died is listed as
+    alive until its health checks fail)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    remote: list[tuple[tuple[Any, int], Any]] = []
+    for group in list(_groups):
+        for rank, info in enumerate(getattr(group, "processes", None) or []):
+            if not info.get("pid"):
+                continue
+            if not info.get("node_id") or info["node_id"] == here:
+                if _process_state(int(info["pid"])) is None:
+                    return _lost(p, (group, rank))
+                continue
+            task: Any = ray.remote(_process_state).options(
+                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(info["node_id"], soft=False))
+            remote.append(((group, rank), task.remote(int(info["pid"]))))
+    deadline = time.monotonic() + probe_s
+    for owner, ref in remote:
+        try:
+            state = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        except Exception:  # the node is gone, or does not run tasks
+            try:
+                ray.cancel(ref, force=True)
+            except Exception:
+                pass
+            return _lost(p, owner)
+        if state is None:
+            return _lost(p, owner)
+    return None
 
 
 def lost_worker_in(exc: BaseException) -> WorkerLostError | None:
@@ -438,5 +526,5 @@ def _lost(p: Phase | None, owner: tuple[Any, int]) -> WorkerLostError:
 
 
 __all__ = ["PHASE_KINDS", "Phase", "PhaseTimeoutError", "WorkerLostError", "collect_stacks",
-           "current", "describe_rank", "dump_stacks_of", "install_stack_dump", "lost_worker_in", "phase", "phase_seconds",
+           "current", "describe_rank", "dump_stacks_of", "find_lost_worker", "install_stack_dump", "lost_worker_in", "phase", "phase_seconds",
            "process_info", "register_group", "wait_refs"]

@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,6 +24,7 @@ from tensordict import TensorDict
 from polyrl import batch as batch_ops
 from polyrl.controller import deadlines
 from polyrl.distributed import PORT_ATTEMPTS, port_in_use_error
+from polyrl.errors import PolyrlError
 from polyrl.platforms.devices import node_local_ranks
 
 
@@ -129,6 +131,40 @@ def wait_any(handles: Sequence[CallHandle], timeout: float | None = None) -> lis
         time.sleep(0.01)
 
 logger = logging.getLogger("polyrl")
+
+#: Seconds a worker group waits for Ray to place its workers, unless a restart or a phase has less time left.
+PLACEMENT_WAIT_S = 600.0
+#: The least a placement is given, even when a restart's wait is nearly used up.
+PLACEMENT_MIN_S = 10.0
+#: ``(monotonic deadline, what set it)`` of the waits in progress (:func:`placement_deadline`).
+_placement_limits: list[tuple[float, str]] = []
+
+
+class PlacementError(PolyrlError, RuntimeError):
+    """Ray could not place a worker group's workers within the time it had."""
+
+
+@contextmanager
+def placement_deadline(seconds: float, what: str) -> Iterator[None]:
+    """Inside, a worker group waits for its placement no longer than ``seconds`` from now (at least
+    ``PLACEMENT_MIN_S``); ``what`` names the limit in the error (``what was left of trainer.restart_wait_s``)."""
+    _placement_limits.append((time.monotonic() + max(float(seconds), PLACEMENT_MIN_S), what))
+    try:
+        yield
+    finally:
+        _placement_limits.pop()
+
+
+def _placement_wait() -> tuple[float, str]:
+    """How long a placement may wait now, and what sets that limit."""
+    wait, what = PLACEMENT_WAIT_S, "the placement wait"
+    for end, name in _placement_limits:
+        if end - time.monotonic() < wait:
+            wait, what = end - time.monotonic(), name
+    p = deadlines.current()
+    if p is not None and p.remaining() < wait:
+        wait, what = p.remaining(), f"the deadline of phase '{p.name}'"
+    return max(wait, 0.0), what
 
 
 class WorkerGroup(Protocol):
@@ -301,37 +337,24 @@ def _ray_actor_class(worker_cls: type) -> type:
     return RayActor
 
 
-def _wait_all(refs: list[Any]) -> list[Any]:
-    """``ray.get(refs)`` that returns soon after one of them failed: ``ray.get`` waits for every ref, and a rank
-    whose peer died may wait for it until the rendezvous times out (30 minutes). The error raised is the
-    lowest rank's among those that failed within two seconds of the first."""
-    import ray
-
-    pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        try:
-            ray.get(done)
-        except Exception:
-            if pending:
-                ray.wait(pending, num_returns=len(pending), timeout=2)
-            for ref in refs:
-                ready, _ = ray.wait([ref], timeout=0)
-                if ready:
-                    try:
-                        ray.get(ref)
-                    except Exception as exc:
-                        raise exc from None
-            raise
-    return ray.get(refs)
-
-
 def _bundle_nodes(placement_group: Any, count: int) -> list[str]:
-    """The node id of each bundle of a ready placement group (bundle order = rank order)."""
+    """The node id of each bundle of a ready placement group, in bundle order."""
     from ray.util.placement_group import placement_group_table
 
     table = placement_group_table(placement_group).get("bundles_to_node_id", {})
     return [str(table.get(i, "")) for i in range(count)]
+
+
+def rank_order(bundle_nodes: Sequence[str], driver_node: str) -> list[int]:
+    """The bundle each rank takes (``rank_order(...)[rank]``): the ranks of one node consecutive, the driver's node
+    first, then the other nodes in the order Ray listed them. Ray numbers the bundles of a placement group that spans
+    nodes in no fixed order, so without this the node of rank 0 (where the group meets, and the weights' sender)
+    changes from run to run."""
+    firsts: dict[str, int] = {}
+    for i, node in enumerate(bundle_nodes):
+        firsts.setdefault(node, i)
+    return sorted(range(len(bundle_nodes)),
+                  key=lambda i: (bundle_nodes[i] != driver_node, firsts[bundle_nodes[i]], i))
 
 
 class RayWorkerGroup:
@@ -357,22 +380,26 @@ class RayWorkerGroup:
         # strategy (trainer.placement_strategy): PACK fills as few nodes as it can and spreads a group that does
         # not fit one node over several; the STRICT_ variants refuse instead
         self.placement_group = placement_group([bundle] * world_size, strategy=strategy, name=f"polyrl-{name}")
+        wait, limit = _placement_wait()
         try:
-            ray.get(self.placement_group.ready(), timeout=600)
+            ray.get(self.placement_group.ready(), timeout=wait)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self.placement_group)
-            raise RuntimeError(
+            raise PlacementError(
                 f"worker group '{name}': Ray could not place {world_size} worker(s) of {bundle} each with strategy "
-                f"{strategy} in 600 s (cluster resources: {ray.cluster_resources()}). Add nodes or resources, "
-                "lower trainer.n_workers / trainer.rollout_workers, or relax trainer.placement_strategy") from None
+                f"{strategy} within {wait:.0f} s ({limit}); the cluster's available resources: "
+                f"{ray.available_resources()} of {ray.cluster_resources()}. Add nodes or resources, lower "
+                "trainer.n_workers / trainer.rollout_workers, or relax trainer.placement_strategy") from None
         # Each worker learns its position on its node as LOCAL_RANK (torchrun's convention); the platform
         # binds the device from it and from the device ids Ray assigned (polyrl.platforms.devices).
-        nodes = _bundle_nodes(self.placement_group, world_size)
+        bundle_nodes = _bundle_nodes(self.placement_group, world_size)
+        bundles = rank_order(bundle_nodes, ray.get_runtime_context().get_node_id())
+        nodes = [bundle_nodes[b] for b in bundles]
         #: The Ray node id of each rank (rollout replicas must not span nodes: polyrl.rollout.replicas).
         self.node_ids = nodes
         self.local_ranks = node_local_ranks(nodes)
         own_rendezvous = "master_port" in init_kwargs and "master_addr" not in init_kwargs
-        remote_cls = ray.remote(_ray_actor_class(worker_cls))
+        remote_cls: Any = ray.remote(_ray_actor_class(worker_cls))
         options: dict[str, Any] = {"num_cpus": bundle.get("CPU", 1)}
         extra = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
         if bundle.get("GPU"):
@@ -393,7 +420,7 @@ class RayWorkerGroup:
                 remote_cls.options(
                     name=None,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
-                                                                         placement_group_bundle_index=i),
+                                                                         placement_group_bundle_index=bundles[i]),
                     **options,
                 ).remote(rank=i, world_size=world_size, actor_env={
                     "LOCAL_RANK": str(self.local_ranks[i]), "LOCAL_WORLD_SIZE": str(nodes.count(nodes[i])),
@@ -402,7 +429,7 @@ class RayWorkerGroup:
             ]
             try:
                 # Constructors run concurrently (they meet in init_process_group); the first failure ends the wait
-                _wait_all([w.ready.remote() for w in self.workers])
+                deadlines.wait_refs([w.ready.remote() for w in self.workers])  # no owners: not a lost worker
                 break
             except Exception as exc:
                 for w in self.workers:

@@ -32,12 +32,19 @@ PROBE_S = 30.0
 def fit_with_restarts(make_trainer: Callable[[int], Any]) -> dict[str, float]:
     """``make_trainer(attempt).fit()``, made again (``attempt`` 1, 2, ...) after a lost worker while
     ``trainer.max_restarts`` allows; the last attempt's metrics."""
+    from polyrl.controller.worker_group import placement_deadline
+
     attempt = 0
     trainer = make_trainer(attempt)
+    placement_left: float | None = None  # a restart: what is left of trainer.restart_wait_s for its placement
     while True:
         limit = int(trainer.config.trainer.max_restarts)
         try:
-            return trainer.fit()
+            if placement_left is None:
+                return trainer.fit()
+            with placement_deadline(placement_left, "what was left of trainer.restart_wait_s after the layout came "
+                                    "back"):
+                return trainer.fit()
         except Exception as exc:
             # Ray's own actor error where a call did not go through the deadline-aware wait (a rollout or weight
             # sync call that met the lost node first) is a lost worker too
@@ -48,7 +55,10 @@ def fit_with_restarts(make_trainer: Callable[[int], Any]) -> dict[str, float]:
             raise lost  # outside the except block: the CLI prints this line, not Ray's error it replaces
         attempt += 1
         log.warning("restart %d of %d (trainer.max_restarts): %s", attempt, limit, lost)
+        waited = time.monotonic()
         wait_for_layout(trainer, lost_node=lost.node_id)
+        # the groups' placement waits no longer than the restart's wait has left (not Ray's own 600 s)
+        placement_left = float(trainer.config.trainer.restart_wait_s) - (time.monotonic() - waited)
         trainer = make_trainer(attempt)
 
 
