@@ -112,6 +112,45 @@ def test_max_restarts_resumes_by_itself_with_the_history_of_an_uninterrupted_run
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key)
 
 
+@pytest.mark.timeout(240)
+def test_a_fully_async_run_that_lost_a_worker_restarts_and_trains_every_sample_once(base_overrides, manifest_file,
+                                                                                   tmp_path):
+    """``trainer.async_mode=fully_async``: the rollout worker SIGKILLed in the middle of step 2 (generation runs ahead
+    of training, so groups are queued and in flight); ``max_restarts=1`` resumes in the same process from step 1's
+    checkpoint, which stored the queue and the prompts in flight: every step once, and every prompt of the data
+    trained exactly once, in the loader's order (by sample id)."""
+    run = tmp_path / "run"
+    common = [o for o in _common(base_overrides, 3, run) if not o.startswith("actor.ppo_mini_batch_size")]
+    proc = _start(manifest_file, common + [
+        "actor.ppo_mini_batch_size=4", "trainer.executor=ray", "trainer.placement=split", "trainer.n_workers=1",
+        "trainer.rollout_workers=1", "trainer.ray_num_cpus=2", "trainer.async_mode=fully_async",
+        # one rollout worker, a first-in first-out queue and a staleness bound that never drops: groups are trained
+        # in the loader's order
+        "trainer.async_max_staleness=4", "trainer.async_inflight=abort", "trainer.async_chunk_groups=1",
+        "trainer.async_queue_groups=6", "trainer.max_restarts=1"])
+    try:
+        deadline = time.monotonic() + 150
+        while _latest(run) != "step_1":
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        match = re.search(r"worker group 'rollout': rank 0 is pid (\d+)", (run / "train.log").read_text())
+        assert match, "the run logs each rank's pid"
+        os.kill(int(match.group(1)), signal.SIGKILL)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "restart 1 of 1 (trainer.max_restarts)" in err and "worker group 'rollout'" in err, err[-3000:]
+    assert sorted(_rows(run)) == [1, 2, 3]  # each step once (_rows refuses a step logged twice)
+    lines = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines() if line.strip()]
+    assert [x["step"] for x in lines] == [1, 2, 3], [x["step"] for x in lines]
+    for line in lines:  # batch 4 prompts x rollout.n 4: step s trains prompts 4(s-1) .. 4s-1 of epoch 0, each once
+        step = line["step"]
+        expected = {f"0-{p}/{j}" for p in range((step - 1) * 4, step * 4) for j in range(4)}
+        assert sorted(line["sample_ids"]) == sorted(expected), (step, line["sample_ids"])
+
+
 def test_a_cluster_address_nobody_answers_is_one_line(base_overrides, manifest_file, tmp_path):
     with socket.socket() as s:  # a port of this test's own, closed again: nothing listens there
         s.bind(("127.0.0.1", 0))

@@ -25,7 +25,7 @@ log = logging.getLogger("polyrl")
 
 #: Seconds between two looks at the cluster's resources while waiting for the layout.
 POLL_S = 1.0
-#: Seconds a node listed as alive has to run a small task before it counts as gone.
+#: Seconds a node listed as alive has to run a small task before it counts as gone (at most what is left of the wait).
 PROBE_S = 30.0
 
 
@@ -89,21 +89,32 @@ def wait_for_layout(trainer: Any, lost_node: str = "") -> None:
         ray.init(address=address, logging_level=logging.WARNING)
     try:
         gone: set[str] = set()
+
+        def fits(excluded: set[str]) -> int:
+            resources, alive = alive_resources(excluded)
+            check_pools_fit(trainer.placement, resources, accelerator)
+            return alive
+
         while True:
-            listed = lost_node and any(n.get("NodeID") == lost_node and n.get("Alive") for n in ray.nodes())
-            if listed and lost_node not in gone and not node_answers(lost_node, PROBE_S):
-                gone.add(lost_node)  # dead, whatever Ray lists for now
-            resources, alive = alive_resources(gone)
-            try:
-                check_pools_fit(trainer.placement, resources, accelerator)
-                log.info("the cluster offers the run's layout again (%d node(s) alive): restarting", alive)
-                return
-            except ConfigError as exc:
-                if time.monotonic() >= deadline:
-                    raise ConfigError(f"trainer.max_restarts: the run's layout cannot be placed again after waiting "
-                                      f"{wait_s:g} s (trainer.restart_wait_s): {exc}; the last checkpoint is whole: "
-                                      "run again once the cluster has the nodes") from None
-            time.sleep(POLL_S)
+            try:  # without the lost node first: a replacement that joined needs no probe of the old one
+                alive = fits(gone | ({lost_node} if lost_node else set()))
+            except ConfigError:
+                if lost_node and lost_node not in gone:  # needed: does it still run tasks (a lost process only)?
+                    listed = any(n.get("NodeID") == lost_node and n.get("Alive") for n in ray.nodes())
+                    probe = min(PROBE_S, max(1.0, deadline - time.monotonic()))
+                    if listed and not node_answers(lost_node, probe):
+                        gone.add(lost_node)  # dead, whatever Ray lists for now
+                try:
+                    alive = fits(gone)
+                except ConfigError as exc:
+                    if time.monotonic() >= deadline:
+                        raise ConfigError(f"trainer.max_restarts: the run's layout cannot be placed again after "
+                                          f"waiting {wait_s:g} s (trainer.restart_wait_s): {exc}; the last checkpoint "
+                                          "is whole: run again once the cluster has the nodes") from None
+                    time.sleep(POLL_S)
+                    continue
+            log.info("the cluster offers the run's layout again (%d node(s) alive): restarting", alive)
+            return
     finally:
         if started:
             ray.shutdown()  # the new attempt joins with its own settings (start_ray)
