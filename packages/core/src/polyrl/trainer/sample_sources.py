@@ -491,8 +491,9 @@ class StreamingSource(RolloutSource):
                     self.cond.wait(timeout=0.5)
             self.cond.notify_all()  # room in the queue: the producer submits now, not at its next poll
         batch = batch_ops.concat([g.batch for g in taken])
-        # step rows (a step-wise agent loop): whole mini-batches, as in the other modes
-        return pad_step_rows(batch, step_row_divisor(self.trainer.config, self.trainer.use_critic))
+        if "episode_end" in batch.keys():  # step rows (a step-wise agent loop): whole mini-batches, as in the others
+            batch = pad_step_rows(batch, step_row_divisor(self.trainer.config, self.trainer.use_critic))
+        return batch
 
     def push_weights(self) -> None:
         """Queue the actor's new weights on every rollout worker behind what it generates now; the trainer
