@@ -224,5 +224,5 @@ def test_the_builtin_openenv_environment_names_the_class_by_import_string(tmp_pa
         make_openenv({"class": "no_such_module:Env"})
     with pytest.raises(TypeError, match="action class of Parrot.*action_cls"):
         make_openenv({"class": "my_openenv_game:Parrot"})
-    with pytest.raises(TypeError, match="object has no reset.*reset\(seed=, episode_id=\) and step"):
+    with pytest.raises(TypeError, match=r"object has no reset.*reset\(seed=, episode_id=\) and step"):
         OpenEnvAdapter(object(), action=str)
