@@ -259,3 +259,26 @@ def test_bfloat16_products_are_the_layers_products(tmp_path_factory):
         attn.k_proj.weight.mul_(-3.0)
         mlp.down_proj.weight.add_(0.5)
     check()
+
+
+def test_blocked_draw_follows_a_wide_vocabulary():
+    """Past 2 x ``DRAW_BLOCK`` entries the sampler picks a block, then an entry inside it: each entry comes with its
+    probability, at block edges and in the padded last block too, and a zero-probability entry never comes; a
+    vocabulary of one entry of mass among zeros always gives that entry."""
+    from polyrl.rollout.hf import DRAW_BLOCK, draw
+
+    width = 5 * DRAW_BLOCK - 120  # not a whole number of blocks: the last one is padded
+    # two entries of mass in each block that has any: the draw inside a block must follow its running sum
+    where = torch.tensor([0, DRAW_BLOCK - 1, DRAW_BLOCK, DRAW_BLOCK + 300, 3 * DRAW_BLOCK + 7, 3 * DRAW_BLOCK + 900,
+                          width - 50, width - 1])
+    mass = torch.tensor([0.1, 0.15, 0.05, 0.1, 0.2, 0.15, 0.1, 0.15])
+    rows = 40000
+    probs = torch.zeros(rows, width)
+    probs[:, where] = mass
+    token = draw(probs, torch.Generator().manual_seed(0))
+    freq = torch.bincount(token, minlength=width).double() / rows
+    assert freq.sum() == 1 and freq[where].sum() == 1  # nothing outside the entries of mass
+    assert torch.allclose(freq[where], mass.double(), atol=4 * (0.25 / rows) ** 0.5)
+    one = torch.zeros(3, width)
+    one[:, 2 * DRAW_BLOCK + 5] = 1e-30  # tiny but nonzero, the rest zero
+    assert draw(one, torch.Generator().manual_seed(1)).tolist() == [2 * DRAW_BLOCK + 5] * 3
