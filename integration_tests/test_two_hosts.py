@@ -2,8 +2,9 @@
 docs/cluster.md says, ``polyrl train`` run on the head host against ``trainer.ray_address``.
 
 The actor's worker group spans both hosts (``trainer.placement_strategy=STRICT_SPREAD``: its gloo rendezvous is on
-a namespace address, never loopback) and the rollout pool sits on the second host (host ``b`` has the only CPU
-left), so weights travel between pools over the link. The metrics equal a one-host run's at the same seed, step
+a namespace address, never loopback), its rank 0 on host ``a`` (the driver's node comes first), and the rollout pool
+sits on the second host (host ``b`` has the only CPU left), so weights travel between pools over the link: the
+weight-transfer group meets at host ``a``'s address, which the test reads in the run's log. The metrics equal a one-host run's at the same seed, step
 for step. Then the second host is lost: every process in its namespace SIGKILLed in the middle of a step.
 Skipped (one line) where network namespaces are refused.
 """
@@ -122,6 +123,21 @@ def test_a_run_over_two_hosts_logs_the_metrics_of_a_one_host_run(refused, one_ho
             assert y[step][key] == pytest.approx(x[step][key], rel=1e-4, abs=1e-6), (step, key)
 
 
+def _lose_host_b_in_step_2(hosts: TwoHosts, args: list[str], run: Path, restart_wait_s: int) -> Any:
+    """``polyrl train`` started on host a with ``trainer.max_restarts=1``; every process of host b SIGKILLed once
+    step 1 is checkpointed (in the middle of step 2). The driver's process."""
+    proc = hosts.start("a", args + [f"trainer.ray_address={hosts.head}", "trainer.placement_strategy=STRICT_SPREAD",
+                                    "trainer.phase_timeout_s=120", "trainer.max_restarts=1",
+                                    f"trainer.restart_wait_s={restart_wait_s}"])
+    pointer = run / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while not (pointer.exists() and pointer.read_text().strip() == "step_1"):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    assert hosts.kill_host("b") > 0
+    return proc
+
+
 @pytest.mark.timeout(420)
 def test_a_lost_host_stops_the_run_with_one_line_and_a_layout_that_does_not_come_back(refused, base_overrides,
                                                                                     manifest_file, tmp_path):
@@ -130,15 +146,7 @@ def test_a_lost_host_stops_the_run_with_one_line_and_a_layout_that_does_not_come
     is missing. The last checkpoint is whole."""
     run = tmp_path / "run"
     with TwoHosts(tmp_path / "hosts", cpus=(1, 2)) as hosts:
-        proc = hosts.start("a", _args(base_overrides, manifest_file, run, 2) + [
-            f"trainer.ray_address={hosts.head}", "trainer.placement_strategy=STRICT_SPREAD",
-            "trainer.phase_timeout_s=120", "trainer.max_restarts=1", "trainer.restart_wait_s=5"])
-        pointer = run / "checkpoints" / "latest"
-        deadline = time.monotonic() + 300
-        while not (pointer.exists() and pointer.read_text().strip() == "step_1"):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-            time.sleep(0.05)
-        assert hosts.kill_host("b") > 0
+        proc = _lose_host_b_in_step_2(hosts, _args(base_overrides, manifest_file, run, 2), run, 5)
         lost_at = time.monotonic()
         _, err = proc.communicate(timeout=240)
         took = time.monotonic() - lost_at
@@ -149,7 +157,7 @@ def test_a_lost_host_stops_the_run_with_one_line_and_a_layout_that_does_not_come
     assert "the run's layout cannot be placed again after waiting 5 s" in errors[0], errors[0]
     assert "the cluster has 1 CPU" in errors[0], errors[0]
     assert took < 120 + 60, took
-    assert pointer.read_text().strip() == "step_1"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_1"
 
 
 @pytest.mark.timeout(480)
@@ -160,15 +168,7 @@ def test_a_lost_host_that_comes_back_resumes_by_itself_with_an_uninterrupted_run
     by itself, and the history equals a one-host run's at the same seed, each step once."""
     run = tmp_path / "run"
     with TwoHosts(tmp_path / "hosts", cpus=(1, 2)) as hosts:
-        proc = hosts.start("a", _args(base_overrides, manifest_file, run, 2) + [
-            f"trainer.ray_address={hosts.head}", "trainer.placement_strategy=STRICT_SPREAD",
-            "trainer.phase_timeout_s=120", "trainer.max_restarts=1", "trainer.restart_wait_s=240"])
-        pointer = run / "checkpoints" / "latest"
-        deadline = time.monotonic() + 300
-        while not (pointer.exists() and pointer.read_text().strip() == "step_1"):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-            time.sleep(0.05)
-        assert hosts.kill_host("b") > 0
+        proc = _lose_host_b_in_step_2(hosts, _args(base_overrides, manifest_file, run, 2), run, 240)
         hosts.join("b")  # the replacement host joins the cluster
         _, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-3000:]
