@@ -81,6 +81,7 @@ def main() -> None:
     # where one call's time goes: the profiler's self time per operator, grouped
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         generate(100)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=40))
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=25,
                                                              max_name_column_width=40, max_shapes_column_width=60))
 
