@@ -409,7 +409,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     blocks = -(-width // DRAW_BLOCK)
     if blocks * DRAW_BLOCK != width:
         probs = torch.nn.functional.pad(probs, (0, blocks * DRAW_BLOCK - width))
-    grid = probs.view(b, blocks, DRAW_BLOCK)
+    grid = probs.reshape(b, blocks, DRAW_BLOCK)
     # the blocks' totals in float32 (a float64 sum would first copy [b, V] to float64: at 32 rows a 12.6 MB
     # temporary, whose fresh pages cost more than the sum) and their running sum in float64
     ends = grid.sum(-1).to(torch.float64).cumsum(-1)  # [b, blocks]: the running sum at each block's end
