@@ -4,6 +4,7 @@ step's prompt built afresh through the chat template, the model's tokens and log
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import pytest
 
@@ -93,22 +94,8 @@ def test_stepwise_on_vllm(tiny_model):
     asyncio.set_event_loop(None)
 
 
-WALK_PLUGIN = '''
-from polyrl import hookimpl
-
-
-class Walk:
-    def reset(self, seed, row):
-        self.t = 0
-        return "at 0"
-
-    def step(self, action):
-        self.t += 1
-        return f"at {self.t}", float(len(action) % 2 == 0), self.t >= 3, {"success": self.t >= 3}
-
-    def state_key(self):
-        return self.t
-
+# the plugin a run imports: the Walk above, as it is, and its hook
+WALK_PLUGIN = "from polyrl import hookimpl\n\n\n" + inspect.getsource(Walk) + '''
 
 @hookimpl
 def register_environments(register):
