@@ -488,7 +488,7 @@ def lost_worker_in(exc: BaseException) -> WorkerLostError | None:
         seen.add(id(error))
         if isinstance(error, WorkerLostError):
             return error
-        if ray_errors is not None and isinstance(error, ray_errors.RayActorError) and not error.actor_init_failed:
+        if ray_errors is not None and _is_lost(error):
             actor = getattr(error, "actor_id", None)
             for group in list(_groups):
                 for rank, worker in enumerate(getattr(group, "workers", None) or []):
