@@ -244,7 +244,22 @@ def test_each_bad_request_gets_its_own_clear_error(client, server):
 
 
 @pytest.mark.timeout(120)
-def test_a_client_that_leaves_mid_answer_is_one_debug_line(server, caplog, capfd):
+def test_a_client_that_leaves_mid_answer_is_one_debug_line(server, caplog, capfd, monkeypatch):
+    # The model's real stream, held after its first token until the client has gone: otherwise a fast model
+    # (or an early eos) can finish the whole answer into the socket's buffer before the reset, and nothing fails.
+    gen, left = server.generator, threading.Event()
+    real_stream = gen.stream
+
+    def held(*args, **kwargs):
+        sent = False  # an event went out (text, or the finish)
+        for piece, finish, tokens in real_stream(*args, **kwargs):
+            if sent:
+                left.wait(60)
+            yield piece, finish, tokens
+            sent = sent or bool(piece) or finish is not None
+        left.wait(60)  # the answer's end ([DONE]) is written after the client left, too
+
+    monkeypatch.setattr(gen, "stream", held)
     body = json.dumps({"model": "tiny", "prompt": "1+", "max_tokens": 120, "temperature": 1.0, "stream": True,
                        "stop": ["never there"]}).encode()
     with caplog.at_level("DEBUG", logger="polyrl.serve"):
@@ -256,6 +271,7 @@ def test_a_client_that_leaves_mid_answer_is_one_debug_line(server, caplog, capfd
             seen += chunk
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, as a killed client
         sock.close()
+        left.set()
         deadline = time.monotonic() + 60
         while not [r for r in caplog.records if "went away" in r.getMessage()] and time.monotonic() < deadline:
             time.sleep(0.1)
