@@ -50,3 +50,39 @@ def test_grpo_trains_an_openai_client_program(tmp_path, tiny_model):
         assert 0.0 <= r["critic/score/mean"] <= 1.0
         # the trained tokens are the sampled ones: the actor recomputes the rollout's log-probs
         assert r["rollout/logprob_diff_mean"] < 1e-3
+
+
+VALUED_PROGRAM = '''
+import openai
+
+
+def run(client_kwargs, row):
+    client = openai.OpenAI(**client_kwargs, max_retries=0)
+    client.chat.completions.create(model="policy", messages=row["prompt"], max_tokens=4)
+    return 0.25 + 0.5 * (row["extra_info"]["index"] % 2)  # 0.25 on even rows, 0.75 on odd ones
+'''
+
+
+@pytest.mark.timeout(240)
+def test_validation_reports_the_programs_reward(tmp_path, tiny_model):
+    """``val/openai_agent/mean@k`` is the program's reward (the data source's reward function scores 0): the
+    validation score is the one training optimizes, as verl's validation reads an agent loop's own score."""
+    pytest.importorskip("openai")
+    from polyrl.data.synthetic import write_jsonl
+
+    example = _example()
+    write_jsonl(example.make_rows(4), tmp_path / "train.jsonl")
+    write_jsonl(example.make_rows(6, seed=1), tmp_path / "val.jsonl")
+    (tmp_path / "valued.py").write_text(VALUED_PROGRAM)
+    run = tmp_path / "run"
+    overrides = example.overrides(tiny_model, tmp_path / "train.jsonl", run, steps=1)
+    overrides = [o for o in overrides if not o.startswith(("agent.openai_agent.run=", "trainer.val_before_train="))]
+    train(EXAMPLE / "polyrl.toml", [], [*overrides, f"agent.openai_agent.run={tmp_path / 'valued.py'}:run",
+                                        f"data.val_files=[{tmp_path / 'val.jsonl'}]", "rollout.val_n=2",
+                                        "trainer.val_before_train=true", "trainer.test_freq=1"])
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    vals = [r for r in rows if "val/openai_agent/mean@2" in r]
+    assert len(vals) == 2, rows  # before training and after the step
+    for r in vals:  # 3 even and 3 odd rows, each sampled twice
+        assert r["val/openai_agent/mean@1"] == pytest.approx(0.5)
+        assert r["val/openai_agent/mean@2"] == pytest.approx(0.5) and r["val/openai_agent/pass@2"] == 1.0

@@ -970,7 +970,8 @@ class PPOTrainer:
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
         """mean@1 (and pass@k with ``rollout.val_n > 1``) per data source on the validation set: of the reward
-        function's ``acc`` when it returns one, else of the score (verl's ``val-core`` metric; docs/running.md)."""
+        function's ``acc`` when it returns one, else of the score, tools' and agent programs' rewards included as
+        ``agent.tool_reward`` folds them into training's (verl's ``val-core`` metric; docs/running.md)."""
         from polyrl.data import RLDataLoader
 
         cfg = self.config
@@ -989,6 +990,7 @@ class PPOTrainer:
             batch = self.generate_batch(rows, k, validate=True)
             out = self.reward_fn(batch)
             batch["token_level_scores"] = out.token_level_scores.float()
+            fold_tool_rewards(batch, cfg.agent)  # the score training sees: tools' and agent programs' rewards too
             batch_ops.set_non_tensor(batch, "reward_extra", reward_extras(out.extra, batch.batch_size[0]))
             sources = batch_ops.non_tensor(batch, "data_source")
             owner = sample_of_rows(batch, len(rows) * k)
@@ -1003,9 +1005,10 @@ class PPOTrainer:
                 continue
             self.record_validation(batch, keep=[not rows[j // k].get("_pad") for j in range(batch.batch_size[0])])
             # verl's val-core variable: the reward function's ``acc`` when it returns one, else the score itself
+            # (with the tools' or the agent program's reward folded in, as verl reads an agent loop's own score)
             acc = out.extra.get("acc")
             correct = ([float(a) if a is not None else 0.0 for a in acc] if acc
-                       else out.token_level_scores.sum(-1).tolist())
+                       else batch["token_level_scores"].sum(-1).tolist())
             if "tool_calls" in batch.keys():
                 tool_use += [float(c > 0) for j, c in enumerate(batch["tool_calls"].tolist()) if not rows[j // k].get("_pad")]
             for i in range(0, len(correct), k):
