@@ -112,22 +112,28 @@ def test_max_restarts_resumes_by_itself_with_the_history_of_an_uninterrupted_run
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key)
 
 
+#: fully_async: one rollout worker, a first-in first-out queue and a staleness bound that never drops, so groups
+#: are trained in the loader's order
+_ASYNC = {"fully_async": ["trainer.async_max_staleness=4", "trainer.async_inflight=abort",
+                          "trainer.async_chunk_groups=1", "trainer.async_queue_groups=6"],
+          "one_step_off_policy": []}
+
+
 @pytest.mark.timeout(240)
-def test_a_fully_async_run_that_lost_a_worker_restarts_and_trains_every_sample_once(base_overrides, manifest_file,
-                                                                                   tmp_path):
-    """``trainer.async_mode=fully_async``: the rollout worker SIGKILLed in the middle of step 2 (generation runs ahead
-    of training, so groups are queued and in flight); ``max_restarts=1`` resumes in the same process from step 1's
-    checkpoint, which stored the queue and the prompts in flight: every step once, and every prompt of the data
-    trained exactly once, in the loader's order (by sample id)."""
+@pytest.mark.parametrize("mode", sorted(_ASYNC))
+def test_an_async_run_that_lost_a_worker_restarts_and_trains_every_sample_once(base_overrides, manifest_file,
+                                                                              tmp_path, mode):
+    """``trainer.async_mode=fully_async`` or ``one_step_off_policy``: the rollout worker SIGKILLed in the middle of
+    step 2 (generation runs ahead of training: groups queued and in flight, or the next step's batch prefetched);
+    ``max_restarts=1`` resumes in the same process from step 1's checkpoint, which stored the queue, the prompts
+    in flight or the prefetched batch's prompts: every step once, and every prompt of the data trained exactly
+    once, in the loader's order (by sample id)."""
     run = tmp_path / "run"
     common = [o for o in _common(base_overrides, 3, run) if not o.startswith("actor.ppo_mini_batch_size")]
     proc = _start(manifest_file, common + [
         "actor.ppo_mini_batch_size=4", "trainer.executor=ray", "trainer.placement=split", "trainer.n_workers=1",
-        "trainer.rollout_workers=1", "trainer.ray_num_cpus=2", "trainer.async_mode=fully_async",
-        # one rollout worker, a first-in first-out queue and a staleness bound that never drops: groups are trained
-        # in the loader's order
-        "trainer.async_max_staleness=4", "trainer.async_inflight=abort", "trainer.async_chunk_groups=1",
-        "trainer.async_queue_groups=6", "trainer.max_restarts=1"])
+        "trainer.rollout_workers=1", "trainer.ray_num_cpus=2", f"trainer.async_mode={mode}", *_ASYNC[mode],
+        "trainer.max_restarts=1"])
     try:
         deadline = time.monotonic() + 150
         while _latest(run) != "step_1":
