@@ -373,6 +373,10 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=["processes"], choices=["processes", "threads"],
                         help="how a side uses C cores, each in turn: C processes of one thread (polyrl: C workers, "
                              "TRL: torchrun) or one process of C threads (polyrl: the local executor)")
+    parser.add_argument("--trl-layouts", nargs="+", choices=["processes", "threads"], default=None,
+                        help="the layouts TRL runs in (default: all of --layouts); polyrl runs in every one, and the "
+                             "best-of-each line compares each side's fastest setting (e.g. TRL's torchrun side does "
+                             "not fit a 24 GiB machine with the real model: --trl-layouts threads)")
     parser.add_argument("--polyrl-args", nargs="*", default=[], help="extra `polyrl train` overrides (key=value)")
     parser.add_argument("--precision", nargs="+", default=["float32"], choices=sorted(PRECISION_ARGS),
                         help="both sides, each in turn: float32, or bf16 compute over float32 weights (TRL's "
@@ -387,6 +391,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=N, help="samples per prompt (GRPO's group)")
     parser.add_argument("--completion", type=int, default=COMPLETION, help="tokens per completion at most")
     args = parser.parse_args()
+    trl_layouts = set(args.trl_layouts or args.layouts)
     _set_batch(args.prompts, args.samples, args.completion)
     if args.device != "cpu" and (args.workers != [1] or args.layouts != ["processes"]):
         parser.error("--device cuda runs one process a side: --workers 1 --layouts processes")
@@ -434,6 +439,7 @@ def main() -> None:
                 trls, ourss = [], []
                 for repeat in range(args.repeats):  # alternate which side goes first; a fresh output dir each run
                     sides = [("trl", trls), ("polyrl", ourss)][::1 if repeat % 2 == 0 else -1]
+                    sides = [x for x in sides if x[0] == "polyrl" or layout in trl_layouts or cores == 1]
                     for side, results in sides:
                         out = root / f"{side}-{run}-r{repeat}"
                         if side == "trl":
@@ -443,37 +449,52 @@ def main() -> None:
                             results.append(run_polyrl(model_dir, data, args.warmup, args.steps, out, procs,
                                                       args.polyrl_args, precision, threads, args.device, workload))
                         shutil.rmtree(out, ignore_errors=True)
-                trl, ours = median_run(trls), median_run(ourss)
-                trl["steps"] = ours["steps"] = args.steps
-                completion = trl.get("mean_length", COMPLETION)
+                ours = median_run(ourss)
+                trl = median_run(trls) if trls else None  # None: TRL not run in this layout (--trl-layouts)
+                ours["steps"] = args.steps
+                if trl is not None:
+                    trl["steps"] = args.steps
+                completion = (trl or ours).get("mean_length", COMPLETION)
                 floor = phase_floors(params, prompt_tokens, completion, cores, limits,
                                      2 if precision == "bfloat16" else 4)
-                t_rate, p_rate = trl["tokens"] / trl["seconds"], ours["tokens"] / ours["seconds"]
-                tp, pp = _split(trl), _split(ours)
+                p_rate, pp = ours["tokens"] / ours["seconds"], _split(ours)
+                t_rate, tp = (trl["tokens"] / trl["seconds"], _split(trl)) if trl else (None, None)
                 # the update alone: 6 x params x tokens (the ``rest`` floor; the old-log-prob pass is not in it)
                 update_floor = {"update": floor["rest"]}
-                frac = {"trl": fractions(trl, tp, floor, update_floor), "polyrl": fractions(ours, pp, floor, update_floor)}
+                frac = {"polyrl": fractions(ours, pp, floor, update_floor)}
+                if trl is not None:
+                    frac["trl"] = fractions(trl, tp, floor, update_floor)
                 row = {"workload": workload, "size": size, "params": params, "cores": cores,
                        "layout": layout if cores > 1 else "-", "precision": precision, "trl_tok_s": t_rate,
-                       "polyrl_tok_s": p_rate, "ratio": p_rate / t_rate, "trl_s": tp, "polyrl_s": pp, "floor_s": floor,
-                       "polyrl_phases": ours["phases"], "fractions": frac, "runs": args.repeats,
+                       "polyrl_tok_s": p_rate, "ratio": p_rate / t_rate if t_rate else None, "trl_s": tp,
+                       "polyrl_s": pp, "floor_s": floor, "polyrl_phases": ours["phases"], "fractions": frac,
+                       "runs": args.repeats,
                        "all_tok_s": {"trl": [r["tokens"] / r["seconds"] for r in trls],
                                      "polyrl": [r["tokens"] / r["seconds"] for r in ourss]},
-                       "peak_rss_gb": {"trl": trl["peak_rss"] / 1e9, "polyrl": ours["peak_rss"] / 1e9},
-                       "mean_length": {"trl": trl.get("mean_length"), "polyrl": ours.get("mean_length")},
+                       "peak_rss_gb": {"trl": trl["peak_rss"] / 1e9 if trl else None,
+                                       "polyrl": ours["peak_rss"] / 1e9},
+                       "mean_length": {"trl": trl.get("mean_length") if trl else None,
+                                       "polyrl": ours.get("mean_length")},
                        "prompt_tokens": prompt_tokens}
                 report.append(row)
-                print(f"{workload:5} {size:5} {params / 1e6:5.1f}M {cores} core(s) {row['layout']} {precision}: TRL {t_rate:8.1f} tok/s, polyrl "
-                      f"{p_rate:8.1f} tok/s, ratio {p_rate / t_rate:.2f}x (median of {args.repeats}); peak memory TRL "
-                      f"{trl['peak_rss'] / 1e9:.2f} GB, polyrl {ours['peak_rss'] / 1e9:.2f} GB; mean completion TRL "
-                      f"{trl.get('mean_length', 0):.0f}, polyrl {ours.get('mean_length', 0):.0f} tokens", flush=True)
+                head = f"{workload:5} {size:5} {params / 1e6:5.1f}M {cores} core(s) {row['layout']} {precision}:"
+                if trl is None:
+                    print(f"{head} polyrl {p_rate:8.1f} tok/s (median of {args.repeats}; TRL not run in this layout: "
+                          f"--trl-layouts); peak memory polyrl {ours['peak_rss'] / 1e9:.2f} GB; mean completion "
+                          f"{ours.get('mean_length', 0):.0f} tokens", flush=True)
+                else:
+                    print(f"{head} TRL {t_rate:8.1f} tok/s, polyrl "
+                          f"{p_rate:8.1f} tok/s, ratio {p_rate / t_rate:.2f}x (median of {args.repeats}); peak memory "
+                          f"TRL {trl['peak_rss'] / 1e9:.2f} GB, polyrl {ours['peak_rss'] / 1e9:.2f} GB; mean "
+                          f"completion TRL {trl.get('mean_length', 0):.0f}, polyrl {ours.get('mean_length', 0):.0f} "
+                          "tokens", flush=True)
                 for phase in ("gen", "rest"):
-                    print(f"    {phase:4} s/step: TRL {tp[phase]:.3f} polyrl {pp[phase]:.3f} (ratio "
-                          f"{tp[phase] / max(pp[phase], 1e-9):.2f}x); machine floor {floor[phase]:.3f} -> TRL at "
-                          f"{floor[phase] / max(tp[phase], 1e-9):.0%}, polyrl at {floor[phase] / max(pp[phase], 1e-9):.0%}"
-                          " of the limit", flush=True)
-                for side in ("trl", "polyrl"):
-                    f = frac[side]
+                    tail = (f"TRL at {floor[phase] / max(tp[phase], 1e-9):.0%}, " if tp else "")
+                    print(f"    {phase:4} s/step: TRL {tp[phase] if tp else float('nan'):.3f} polyrl {pp[phase]:.3f}"
+                          + (f" (ratio {tp[phase] / max(pp[phase], 1e-9):.2f}x)" if tp else "")
+                          + f"; machine floor {floor[phase]:.3f} -> {tail}polyrl at "
+                          f"{floor[phase] / max(pp[phase], 1e-9):.0%} of the limit", flush=True)
+                for side, f in frac.items():
                     print(f"    {side:6} decoding at {f['decode_of_roofline']:.0%} of its roofline, update at "
                           f"{f['update_of_matmul']:.0%} of the matmul limit, weight sync {f['weight_sync_of_step']:.1%} "
                           "of a step", flush=True)
@@ -548,7 +569,10 @@ def best_of_each(rows: list[dict]) -> list[dict]:
         groups.setdefault((r["workload"], r["size"], r["cores"]), []).append(r)
     out = []
     for (workload, size, cores), rs in groups.items():
-        t, p = max(rs, key=lambda r: r["trl_tok_s"]), max(rs, key=lambda r: r["polyrl_tok_s"])
+        ran = [r for r in rs if r["trl_tok_s"] is not None]  # settings where TRL ran (--trl-layouts)
+        if not ran:
+            continue
+        t, p = max(ran, key=lambda r: r["trl_tok_s"]), max(rs, key=lambda r: r["polyrl_tok_s"])
         out.append({"workload": workload, "size": size, "cores": cores, "trl_tok_s": t["trl_tok_s"],
                     "trl_setting": f"{t['layout']} {t['precision']}", "polyrl_tok_s": p["polyrl_tok_s"],
                     "polyrl_setting": f"{p['layout']} {p['precision']}", "ratio": p["polyrl_tok_s"] / t["trl_tok_s"]})
