@@ -15,7 +15,8 @@ The run goes through what a user runs: ``polyrl train`` (GRPO, the FSDP engine, 
     held-out accuracy before RL: 0.xx after RL: 0.yy
 
 (sampled at temperature 1 as in training, 2 answers per held-out question). Usage: ``python examples/quickstart-real/quickstart_real.py
-[--run-dir DIR] [--seed N] [--shuffle-rewards]`` (``make quickstart-real`` runs it).
+[--run-dir DIR] [--seed N] [--shuffle-rewards]`` (``make quickstart-real`` runs it). Greedy held-out accuracy
+instead: ``--rl rollout.val_temperature=0 --rl rollout.val_n=1`` (the line then reports ``mean@1``).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def main() -> None:
     write_jsonl(train, run / "train.jsonl")
     print(f"model: {model}; {len(train)} training and {len(val)} held-out questions", flush=True)
 
-    # 2. GRPO on the pretrained model, validating (greedy) before and after.
+    # 2. GRPO on the pretrained model, validating before, halfway and after.
     polyrl("train", "--manifest", str(HERE / "polyrl.toml"), "--config", str(HERE / "grpo.yaml"),
            f"model.path={model}", f"data.train_files=[{run / 'train.jsonl'}]",
            f"data.val_files=[{run / 'val.jsonl'}]", f"trainer.run_dir={run / 'grpo'}",
@@ -119,8 +120,11 @@ def main() -> None:
     polyrl("plot", str(run / "grpo"))
 
     # 3. Held-out accuracy before and after RL, from the run's own validation metrics.
-    key = "val/openai/gsm8k/mean@2"
-    vals = [json.loads(line) for line in (run / "grpo" / "metrics.jsonl").read_text().splitlines() if key in line]
+    rows = [json.loads(line) for line in (run / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    # mean@2 as shipped; mean@1 with `--rl rollout.val_n=1` (e.g. greedy: `--rl rollout.val_temperature=0`)
+    key = max((k for r in rows for k in r if k.startswith("val/openai/gsm8k/mean@")),
+              key=lambda k: int(k.rsplit("@", 1)[1]))
+    vals = [r for r in rows if key in r]
     before, after = vals[0][key], vals[-1][key]
     print(f"curves: {run / 'grpo' / 'curves.png'}; took {time.time() - started:.0f}s")
     print(f"held-out accuracy before RL: {before:.2f} after RL: {after:.2f}")
